@@ -1,0 +1,6 @@
+"""A shared, thread-safe prompt cache for mlx-lm models (no web framework inside)."""
+
+from .compat import LRUPromptCache
+from .manager import CacheStats, Fetched, PromptCache
+
+__all__ = ["CacheStats", "Fetched", "LRUPromptCache", "PromptCache"]

@@ -1,0 +1,459 @@
+"""The prompt-cache manager: per-model radix trees of KV state under one LRU budget.
+
+`PromptCache.fetch(model, tokens)` returns the best reusable state for a token
+sequence and how many tokens it covers; `insert(model, tokens, cache)` stores
+the state of a sequence. Rules:
+
+- At least one token of a fetched sequence is always left uncovered: the model
+  must run on something to produce logits.
+- Storage mode is chosen per model from its first inserted cache (see
+  `prompt_cache.layers`):
+  * prefix sharing, when every layer is a `KVCache`/`QuantizedKVCache`: each
+    node owns the KV of its own edge only, so a shared prefix is stored once.
+    Any point on a stored path is reusable: a fetch joins the segments of the
+    path up to the common prefix (a longer match is simply cut there). Here a
+    sequence that extends a stored one replaces it, and cached sequences are
+    exactly the leaves.
+  * snapshot otherwise: a terminal node holds the whole cache of its sequence.
+    A fetch restores the deepest stored prefix, or a longer stored sequence
+    trimmed back to the common prefix when its layers are trimmable.
+- Eviction removes whole cached sequences, least recently used first (a fetch
+  or insert counts as use), until both `max_sequences` and `max_bytes` hold.
+  Nodes a running fetch or insert uses are pinned and never removed under it.
+  An insert that cannot fit is refused, so the byte count never exceeds
+  `max_bytes`, at any moment a reader can observe.
+- Bytes are the bytes of the arrays held for the tokens stored, not buffer
+  capacity: stored KV is cut to its tokens and copied off the caller's buffers.
+- One lock guards the trees, the LRU order and the counters. Copies (joining
+  segments on fetch, cutting the new segment on insert) run outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from . import layers
+from .eviction import LRUOrder
+from .layers import Layout
+from .radix import Node, Walk, add_child, detach, iter_nodes, nearest, split, walk
+
+Kind = Literal["exact", "shorter", "longer", "miss"]
+
+
+@dataclass
+class Fetched:
+    """A fetch result: a cache the caller owns (or None) covering `n_cached` tokens."""
+
+    cache: list[Any] | None
+    n_cached: int
+    kind: Kind
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    exact: int = 0
+    shorter: int = 0
+    longer: int = 0
+    misses: int = 0
+    tokens_asked: int = 0
+    tokens_reused: int = 0
+    inserts: int = 0
+    rejected: int = 0
+    evictions: int = 0
+    sequences: int = 0
+    bytes: int = 0
+
+    def __iadd__(self, other: CacheStats) -> CacheStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    @property
+    def reuse(self) -> float:
+        """Share of asked tokens that came from the cache."""
+        return self.tokens_reused / self.tokens_asked if self.tokens_asked else 0.0
+
+
+@dataclass(eq=False)
+class _Tree:
+    layout: Layout
+    root: Node = field(default_factory=lambda: Node(tokens=[]))
+    stats: CacheStats = field(default_factory=CacheStats)
+
+
+@dataclass
+class _Plan:
+    """What a fetch will build, decided under the lock and built outside it."""
+
+    kind: Kind
+    n: int
+    pinned: list[Node]
+    used: Node | None  # the cached sequence's node this fetch counts as a use of
+    pieces: list[tuple[layers.Segment, int]] = field(default_factory=list)
+    entry: list[Any] | None = None
+    trim: int = 0
+
+
+def as_token_list(tokens: Sequence[int] | Any) -> list[int]:
+    if hasattr(tokens, "tolist"):
+        tokens = tokens.tolist()
+    return [int(t) for t in tokens] if not isinstance(tokens, list) else tokens
+
+
+_NO_LIMIT = 1 << 62
+
+
+class PromptCache:
+    """A thread-safe prompt cache shared by all requests, keyed by model and tokens."""
+
+    def __init__(self, max_sequences: int = 64, max_bytes: int | None = None) -> None:
+        if max_sequences < 0 or (max_bytes is not None and max_bytes < 0):
+            raise ValueError("cache limits must be >= 0")
+        self.max_sequences = max_sequences
+        self.max_bytes = _NO_LIMIT if max_bytes is None else max_bytes
+        self._lock = threading.Lock()
+        self._trees: dict[Hashable, _Tree] = {}
+        self._lru: LRUOrder[Node, _Tree] = LRUOrder()
+        self._nbytes = 0
+
+    # ----------------------------------------------------------------- reads
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def stats(self, model: Hashable | None = None) -> CacheStats:
+        """Counters for one model, or summed over all models."""
+        with self._lock:
+            if model is None:
+                trees = list(self._trees.values())
+            else:
+                trees = [self._trees[model]] if model in self._trees else []
+            total = CacheStats()
+            for tree in trees:
+                total += tree.stats
+            return total
+
+    def models(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._trees)
+
+    # ----------------------------------------------------------------- fetch
+
+    def fetch(self, model: Hashable, tokens: Sequence[int]) -> Fetched:
+        """The best reusable state for `tokens`; the returned cache is the caller's."""
+        tokens = as_token_list(tokens)
+        with self._lock:
+            tree = self._trees.get(model)
+            if tree is None:
+                return Fetched(None, 0, "miss")
+            tree.stats.lookups += 1
+            tree.stats.tokens_asked += len(tokens)
+            plan = self._plan(tree, tokens) if len(tokens) > 1 else None
+            if plan is None:
+                tree.stats.misses += 1
+                return Fetched(None, 0, "miss")
+            setattr(tree.stats, plan.kind, getattr(tree.stats, plan.kind) + 1)
+            tree.stats.tokens_reused += plan.n
+            self._pin(plan.pinned)
+            if plan.used is not None and plan.used.terminal:
+                self._lru.touch(plan.used, tree)
+        try:
+            if plan.entry is not None:
+                cache = layers.clone(plan.entry)
+                if plan.trim:
+                    layers.trim(cache, plan.trim)
+            else:
+                cache = layers.assemble(tree.layout, plan.pieces)
+        finally:
+            with self._lock:
+                self._unpin(tree, plan.pinned)
+        return Fetched(cache, plan.n, plan.kind)
+
+    def _plan(self, tree: _Tree, tokens: list[int]) -> _Plan | None:
+        w = walk(tree.root, tokens)
+        if tree.layout.sliceable:
+            return _plan_segments(w, tokens)
+        return _plan_snapshot(w, tokens)
+
+    # ---------------------------------------------------------------- insert
+
+    def insert(self, model: Hashable, tokens: Sequence[int], cache: list[Any]) -> bool:
+        """Store the state of `tokens`; False when it cannot fit in the limits.
+
+        `cache` must hold exactly `tokens` (for KV caches its offset is checked).
+        The caller keeps its cache: what is stored is cut and copied from it.
+        """
+        tokens = as_token_list(tokens)
+        layout = layers.layout_of(cache)
+        if layout.sliceable and layers.length(cache) != len(tokens):
+            raise ValueError(
+                f"the cache holds {layers.length(cache)} tokens but {len(tokens)} were given"
+            )
+        if not tokens:
+            return False
+        with self._lock:
+            tree = self._trees.get(model)
+            if tree is None:
+                tree = self._trees[model] = _Tree(layout)
+            elif tree.layout != layout:
+                raise ValueError(
+                    f"model {model!r} is cached with layers {tree.layout.kinds}, "
+                    f"got {layout.kinds}; clear it before changing the model"
+                )
+            tree.stats.inserts += 1
+            w = walk(tree.root, tokens)
+            self._pin(w.nodes)
+        try:
+            prep = _prepare_insert(layout, w, tokens, cache)
+        except BaseException:
+            with self._lock:
+                self._unpin(tree, w.nodes)
+            raise
+        with self._lock:
+            # The pinned path was not removed meanwhile, so it can only have grown.
+            w2 = walk(tree.root, tokens)
+            anchor = self._anchor(tree, w2, tokens, prep)
+            # Only the anchor needs to stay: evicting what hangs below it may
+            # free the rest of the old path.
+            self._pin([anchor])
+            self._unpin(tree, w.nodes)
+            try:
+                if layout.sliceable:
+                    stored = self._attach_segment(tree, anchor, w2.length, tokens, prep)
+                else:
+                    stored = self._attach_snapshot(tree, anchor, w2.length, tokens, prep)
+            finally:
+                self._unpin(tree, [anchor])
+            if not stored:
+                tree.stats.rejected += 1
+            return stored
+
+    def _anchor(self, tree: _Tree, w: Walk, tokens: list[int], prep: _Prepared) -> Node:
+        """The node the new sequence ends at or hangs from, splitting an edge if needed."""
+        end = w.nodes[-1] if w.nodes else tree.root
+        if not w.partial or (tree.layout.sliceable and w.length == len(tokens)):
+            return end
+        k = w.length - end.start
+        if not tree.layout.sliceable:
+            return split(end, k)
+        halves = prep.halves if prep.split_of is end.segment and prep.split_at == k else None
+        if halves is None:  # another insert split this edge meanwhile
+            halves = layers.cut_segment(end.segment, 0, k), layers.cut_segment(end.segment, k)
+        head = split(end, k)
+        head.segment, end.segment = halves
+        head.segment_nbytes = layers.nbytes(halves[0])
+        end.segment_nbytes = layers.nbytes(halves[1])
+        return head
+
+    def _attach_segment(
+        self, tree: _Tree, parent: Node, m: int, tokens: list[int], prep: _Prepared
+    ) -> bool:
+        if m == len(tokens):  # already on a stored path; only recency changes
+            if parent.terminal and parent.depth == m:
+                self._lru.touch(parent, tree)
+            return True
+        seg = prep.segment
+        if m > prep.start:  # another insert stored part of it meanwhile
+            seg = layers.cut_segment(seg, m - prep.start)
+        need = layers.nbytes(seg)
+        extends = parent.terminal  # the stored sequence becomes a prefix of this one
+        if extends:
+            self._unmark(tree, parent)
+        if not self._make_room(need, 0 if extends else 1):
+            if extends:
+                self._mark(tree, parent)
+            return False
+        child = add_child(parent, tokens[m:])
+        child.segment, child.segment_nbytes = seg, need
+        self._add_bytes(tree, need)
+        self._mark(tree, child)
+        return True
+
+    def _attach_snapshot(
+        self, tree: _Tree, parent: Node, m: int, tokens: list[int], prep: _Prepared
+    ) -> bool:
+        replaces = m == len(tokens) and parent.terminal
+        old = parent.entry_nbytes if replaces else 0
+        if not self._make_room(max(0, prep.entry_nbytes - old), 0 if replaces else 1):
+            return False
+        node = parent if m == len(tokens) else add_child(parent, tokens[m:])
+        node.entry, node.entry_nbytes = prep.entry, prep.entry_nbytes
+        node.entry_trimmable = prep.entry_trimmable
+        self._add_bytes(tree, prep.entry_nbytes - old)
+        if replaces:
+            self._lru.touch(node, tree)
+        else:
+            self._mark(tree, node)
+        return True
+
+    # -------------------------------------------------------------- eviction
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> int:
+        """Evict LRU sequences until at most `n_sequences` and `n_bytes` remain."""
+        seqs = _NO_LIMIT if n_sequences is None else max(0, n_sequences)
+        nb = _NO_LIMIT if n_bytes is None else max(0, n_bytes)
+        evicted = 0
+        with self._lock:
+            while len(self._lru) > seqs or self._nbytes > nb:
+                if not self._evict_one():
+                    break
+                evicted += 1
+        return evicted
+
+    def clear(self, model: Hashable | None = None) -> None:
+        """Drop every cached sequence of `model` (of all models when None).
+
+        State a running fetch is using is dropped when that fetch ends.
+        """
+        with self._lock:
+            for key in [model] if model is not None else list(self._trees):
+                tree = self._trees.get(key)
+                if tree is None:
+                    continue
+                for node in [n for n in iter_nodes(tree.root) if n.terminal]:
+                    self._drop(tree, node)
+                if not tree.root.children:
+                    del self._trees[key]
+
+    def _make_room(self, need_bytes: int, need_sequences: int) -> bool:
+        if need_bytes > self.max_bytes or need_sequences > self.max_sequences:
+            return False
+        while (
+            self._nbytes + need_bytes > self.max_bytes
+            or len(self._lru) + need_sequences > self.max_sequences
+        ):
+            if not self._evict_one():
+                return False
+        return True
+
+    def _evict_one(self) -> bool:
+        found = self._lru.victim(lambda node: node.pins == 0)
+        if found is None:
+            return False
+        node, tree = found
+        self._drop(tree, node)
+        tree.stats.evictions += 1
+        return True
+
+    # ------------------------------------------------------- node bookkeeping
+
+    def _mark(self, tree: _Tree, node: Node) -> None:
+        node.terminal = True
+        tree.stats.sequences += 1
+        self._lru.touch(node, tree)
+
+    def _unmark(self, tree: _Tree, node: Node) -> None:
+        node.terminal = False
+        tree.stats.sequences -= 1
+        self._lru.discard(node)
+
+    def _drop(self, tree: _Tree, node: Node) -> None:
+        """Remove the sequence ending at `node`, and the nodes only it needed."""
+        self._unmark(tree, node)
+        self._add_bytes(tree, -node.entry_nbytes)
+        node.entry, node.entry_nbytes = None, 0
+        self._prune(tree, node)
+
+    def _prune(self, tree: _Tree, node: Node) -> None:
+        while node.parent is not None and not node.children and not node.terminal and not node.pins:
+            parent = node.parent
+            detach(node)
+            self._add_bytes(tree, -node.segment_nbytes)
+            node = parent
+
+    def _add_bytes(self, tree: _Tree, delta: int) -> None:
+        tree.stats.bytes += delta
+        self._nbytes += delta
+
+    @staticmethod
+    def _pin(nodes: list[Node]) -> None:
+        for node in nodes:
+            node.pins += 1
+
+    def _unpin(self, tree: _Tree, nodes: list[Node]) -> None:
+        for node in nodes:
+            node.pins -= 1
+        for node in reversed(nodes):
+            self._prune(tree, node)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def _plan_segments(w: Walk, tokens: list[int]) -> _Plan | None:
+    n = min(w.length, len(tokens) - 1)
+    if n <= 0:
+        return None
+    pinned, pieces = [], []
+    for node in w.nodes:
+        if node.start >= n:
+            break
+        pinned.append(node)
+        pieces.append((node.segment, min(node.depth, n) - node.start))
+    end = w.nodes[-1]
+    if end.terminal and w.length == end.depth:
+        kind: Kind = "exact" if w.length == len(tokens) else "shorter"
+    else:
+        kind = "longer"
+    return _Plan(kind, n, pinned, end, pieces=pieces)
+
+
+def _plan_snapshot(w: Walk, tokens: list[int]) -> _Plan | None:
+    limit = len(tokens) - 1
+    best: _Plan | None = None
+    for node in reversed(w.nodes):
+        if not node.terminal or node.depth > w.length:
+            continue
+        if node.depth <= limit:
+            best = _Plan("shorter", node.depth, [node], node, entry=node.entry)
+            break
+        if node.entry_trimmable:  # the exact sequence, trimmed by its last token
+            best = _Plan("exact", limit, [node], node, entry=node.entry, trim=node.depth - limit)
+            break
+    n = min(w.length, limit)
+    if w.nodes and n > (best.n if best else 0):
+        longer = nearest(w.nodes[-1], lambda x: x.terminal and x.depth > n and x.entry_trimmable)
+        if longer is not None:
+            best = _Plan("longer", n, [longer], longer, entry=longer.entry, trim=longer.depth - n)
+    return best
+
+
+@dataclass
+class _Prepared:
+    """Copies made outside the lock for an insert."""
+
+    start: int = 0
+    segment: layers.Segment | None = None
+    split_of: Any = None
+    split_at: int = 0
+    halves: tuple[layers.Segment, layers.Segment] | None = None
+    entry: list[Any] | None = None
+    entry_nbytes: int = 0
+    entry_trimmable: bool = False
+
+
+def _prepare_insert(layout: Layout, w: Walk, tokens: list[int], cache: list[Any]) -> _Prepared:
+    if not layout.sliceable:
+        entry = layers.snapshot(cache)
+        return _Prepared(
+            entry=entry, entry_nbytes=layers.nbytes(entry), entry_trimmable=layers.can_trim(entry)
+        )
+    prep = _Prepared(start=w.length)
+    if w.length < len(tokens):
+        prep.segment = layers.slice_segment(cache, w.length, len(tokens))
+        if w.partial:
+            end = w.nodes[-1]
+            prep.split_of, prep.split_at = end.segment, w.length - end.start
+            prep.halves = (
+                layers.cut_segment(end.segment, 0, prep.split_at),
+                layers.cut_segment(end.segment, prep.split_at),
+            )
+    return prep

@@ -1,0 +1,288 @@
+"""PromptCache behaviour, case by case, on real mlx-lm layer caches with known contents."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from prompt_cache import LRUPromptCache, PromptCache
+from tests.fakes import BYTES_PER_TOKEN, held, kv_cache, same_state
+
+SYSTEM = list(range(100, 400))  # a long shared prefix
+
+
+def test_miss_on_empty_cache_and_unknown_model():
+    cache = PromptCache()
+    assert cache.fetch("m", [1, 2, 3]).kind == "miss"
+    cache.insert("m", [1, 2, 3], kv_cache([1, 2, 3]))
+    found = cache.fetch("other", [1, 2, 3])
+    assert (found.cache, found.n_cached, found.kind) == (None, 0, "miss")
+
+
+def test_exact_match_leaves_the_last_token_to_run():
+    cache = PromptCache()
+    seq = [5, 6, 7, 8]
+    cache.insert("m", seq, kv_cache(seq))
+    found = cache.fetch("m", seq)
+    assert found.kind == "exact" and found.n_cached == 3
+    assert same_state(found.cache, kv_cache(seq[:3]))
+    assert cache.fetch("m", [5]).kind == "miss"  # one token: nothing can be reused
+
+
+def test_shorter_prefix_and_longer_sequence_cut_back():
+    cache = PromptCache()
+    turn1 = SYSTEM + [1, 2, 3]
+    cache.insert("m", turn1, kv_cache(turn1))
+    shorter = cache.fetch("m", turn1 + [9, 9])
+    assert shorter.kind == "shorter" and shorter.n_cached == len(turn1)
+    assert same_state(shorter.cache, kv_cache(turn1))
+    longer = cache.fetch("m", SYSTEM + [4])
+    assert longer.kind == "longer" and longer.n_cached == len(SYSTEM)
+    assert same_state(longer.cache, kv_cache(SYSTEM))
+
+
+def test_shared_prefix_is_stored_once():
+    cache = PromptCache()
+    convs = [SYSTEM + [1000 + i] * 20 for i in range(10)]
+    for conv in convs:
+        assert cache.insert("m", conv, kv_cache(conv, spare=50))
+    assert len(cache) == 10
+    assert cache.nbytes == (len(SYSTEM) + 10 * 20) * BYTES_PER_TOKEN
+    for conv in convs:
+        found = cache.fetch("m", conv + [1])
+        assert found.n_cached == len(conv) and same_state(found.cache, kv_cache(conv))
+
+
+def test_splitting_an_edge_keeps_both_branches_exact():
+    cache = PromptCache()
+    a = SYSTEM + [1, 2, 3, 4]
+    b = SYSTEM[:150] + [7, 7]
+    cache.insert("m", a, kv_cache(a))
+    cache.insert("m", b, kv_cache(b))
+    assert cache.nbytes == (len(a) + 2) * BYTES_PER_TOKEN
+    for seq in (a, b, SYSTEM[:150] + [5]):
+        found = cache.fetch("m", seq)
+        assert same_state(found.cache, kv_cache(seq[: found.n_cached]))
+    assert cache.fetch("m", SYSTEM[:150] + [5]).n_cached == 150
+
+
+def test_a_turn_that_extends_a_stored_one_replaces_it():
+    cache = PromptCache()
+    turn1 = SYSTEM + [1, 2]
+    turn2 = turn1 + [3, 4, 5]
+    cache.insert("m", turn1, kv_cache(turn1))
+    cache.insert("m", turn2, kv_cache(turn2))
+    assert len(cache) == 1
+    assert cache.nbytes == len(turn2) * BYTES_PER_TOKEN
+    assert cache.fetch("m", turn1 + [8]).kind == "longer"
+
+
+def test_inserting_a_stored_prefix_adds_nothing():
+    cache = PromptCache()
+    seq = SYSTEM + [1, 2, 3]
+    cache.insert("m", seq, kv_cache(seq))
+    assert cache.insert("m", SYSTEM, kv_cache(SYSTEM))
+    assert len(cache) == 1 and cache.nbytes == len(seq) * BYTES_PER_TOKEN
+
+
+def test_fetched_cache_is_the_callers_to_mutate():
+    cache = PromptCache()
+    seq = SYSTEM + [1, 2, 3]
+    cache.insert("m", seq, kv_cache(seq))
+    for query in (seq + [4], seq):  # a single stored segment: handed out as views
+        found = cache.fetch("m", query)
+        for layer in found.cache:
+            layer.trim(5)
+            layer.update_and_fetch(mx.full((1, 2, 3, 4), -1.0), mx.full((1, 2, 3, 4), -1.0))
+            layer.keys[..., 0, :] = 12345.0
+        again = cache.fetch("m", seq + [4])
+        assert same_state(again.cache, kv_cache(seq))
+
+
+def test_caller_mutating_its_cache_after_insert_does_not_reach_the_store():
+    cache = PromptCache()
+    seq = SYSTEM + [1]
+    mine = kv_cache(seq)
+    cache.insert("m", seq, mine)
+    for layer in mine:
+        layer.keys[..., :, :] = -5.0
+        layer.trim(10)
+        layer.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    assert same_state(cache.fetch("m", seq + [2]).cache, kv_cache(seq))
+
+
+def test_lru_eviction_by_count_keeps_recently_fetched():
+    cache = PromptCache(max_sequences=3)
+    seqs = [[i] * 10 for i in range(4)]
+    for s in seqs[:3]:
+        cache.insert("m", s, kv_cache(s))
+    cache.fetch("m", seqs[0] + [1])  # 0 is now the most recent
+    cache.insert("m", seqs[3], kv_cache(seqs[3]))
+    assert len(cache) == 3
+    assert cache.fetch("m", seqs[1] + [1]).kind == "miss"
+    assert cache.fetch("m", seqs[0] + [1]).kind == "shorter"
+    assert cache.stats().evictions == 1
+
+
+def test_byte_budget_holds_and_shared_prefix_survives_leaf_eviction():
+    budget = (len(SYSTEM) + 3 * 20) * BYTES_PER_TOKEN
+    cache = PromptCache(max_sequences=100, max_bytes=budget)
+    convs = [SYSTEM + [1000 + i] * 20 for i in range(6)]
+    for conv in convs:
+        assert cache.insert("m", conv, kv_cache(conv))
+        assert cache.nbytes <= budget
+    assert len(cache) == 3  # the prefix is paid once, so three conversations fit
+    found = cache.fetch("m", SYSTEM + [5])
+    assert found.n_cached == len(SYSTEM)
+
+
+def test_insert_larger_than_budget_is_refused_without_evicting():
+    cache = PromptCache(max_bytes=50 * BYTES_PER_TOKEN)
+    small = [1] * 10
+    cache.insert("m", small, kv_cache(small))
+    big = [2] * 60
+    assert cache.insert("m", big, kv_cache(big)) is False
+    assert len(cache) == 1 and cache.stats().rejected == 1
+
+
+def test_trim_to_and_clear():
+    cache = PromptCache()
+    for i in range(5):
+        cache.insert("m", [i] * 8, kv_cache([i] * 8))
+        cache.insert("n", [i] * 8, kv_cache([i] * 8))
+    assert cache.trim_to(n_sequences=6) == 4
+    assert len(cache) == 6
+    cache.trim_to(n_bytes=3 * 8 * BYTES_PER_TOKEN)
+    assert cache.nbytes <= 3 * 8 * BYTES_PER_TOKEN and len(cache) == 3
+    cache.clear("m")
+    assert cache.stats("m").sequences == 0 and "m" not in cache.models()
+    assert cache.nbytes == cache.stats("n").bytes > 0
+    cache.clear()
+    assert cache.nbytes == 0 and len(cache) == 0
+
+
+def test_a_pinned_sequence_is_not_evicted_under_a_fetch(monkeypatch):
+    from prompt_cache import layers
+
+    cache = PromptCache(max_sequences=1)
+    a, b = [1] * 8, [2] * 8
+    cache.insert("m", a, kv_cache(a))
+    original = layers.assemble
+    results = []
+
+    def assemble_while_another_insert_runs(layout, pieces):
+        results.append(cache.insert("m", b, kv_cache(b)))  # would need to evict a
+        return original(layout, pieces)
+
+    monkeypatch.setattr(layers, "assemble", assemble_while_another_insert_runs)
+    found = cache.fetch("m", a + [3])
+    assert results == [False] and same_state(found.cache, kv_cache(a))
+    monkeypatch.setattr(layers, "assemble", original)
+    assert cache.insert("m", b, kv_cache(b))  # unpinned now: a can go
+
+
+def test_stats_count_kinds_and_tokens():
+    cache = PromptCache()
+    seq = [1, 2, 3, 4]
+    cache.insert("m", seq, kv_cache(seq))
+    cache.fetch("m", seq)
+    cache.fetch("m", seq + [5])
+    cache.fetch("m", [1, 2, 9])
+    cache.fetch("m", [9, 9])
+    s = cache.stats("m")
+    assert (s.lookups, s.exact, s.shorter, s.longer, s.misses) == (4, 1, 1, 1, 1)
+    assert s.tokens_asked == 4 + 5 + 3 + 2 and s.tokens_reused == 3 + 4 + 2
+    assert s.sequences == 1 and s.bytes == 4 * BYTES_PER_TOKEN and s.inserts == 1
+
+
+def test_bad_inserts_are_refused_clearly():
+    cache = PromptCache()
+    with pytest.raises(ValueError, match="holds 3 tokens but 4"):
+        cache.insert("m", [1, 2, 3, 4], kv_cache([1, 2, 3]))
+    cache.insert("m", [1, 2], kv_cache([1, 2]))
+    with pytest.raises(ValueError, match="clear it"):
+        cache.insert("m", [1, 2, 3], [RotatingKVCache(max_size=8)])
+    with pytest.raises(ValueError, match="at least one layer"):
+        cache.insert("m", [1], [])
+
+
+def test_quantized_kv_cache_is_shared_by_prefix():
+    def qcache(tokens):
+        out = []
+        for layer in range(2):
+            x = mx.array(np.add.outer(np.asarray(tokens, np.float32), np.arange(32) + layer))
+            q = QuantizedKVCache(group_size=32, bits=8)
+            q.update_and_fetch(x[None, None], -x[None, None])
+            out.append(q)
+        return out
+
+    def held_q(c):
+        return [np.array(x[..., : c.offset, :]) for x in (*c.keys, *c.values)]
+
+    cache = PromptCache()
+    a, b = SYSTEM[:64] + [1] * 8, SYSTEM[:64] + [2] * 8
+    cache.insert("q", a, qcache(a))
+    cache.insert("q", b, qcache(b))
+    found = cache.fetch("q", b + [3])
+    assert found.n_cached == len(b)
+    for got, want in zip(found.cache, qcache(b)):
+        assert all(np.array_equal(x, y) for x, y in zip(held_q(got), held_q(want)))
+    per_token = sum(sum(x.nbytes for x in held_q(c)) for c in qcache([1]))
+    assert cache.nbytes == (64 + 8 + 8) * per_token
+
+
+def rotating(tokens, max_size=16):
+    layer = RotatingKVCache(max_size=max_size)
+    (kv,) = kv_cache(tokens)[:1]
+    for i in range(len(tokens)):  # one token at a time, like decoding
+        layer.update_and_fetch(kv.keys[..., i : i + 1, :], kv.values[..., i : i + 1, :])
+    return [layer]
+
+
+def test_snapshot_mode_for_rotating_caches():
+    cache = PromptCache()
+    short = [1, 2, 3, 4, 5]
+    cache.insert("r", short, rotating(short))
+    found = cache.fetch("r", short + [6, 7])
+    assert found.kind == "shorter" and found.n_cached == 5
+    assert found.cache[0].offset == 5
+    # A longer stored sequence is trimmed back while the window has not wrapped.
+    longer = short + [6, 7, 8]
+    cache.insert("r", longer, rotating(longer))
+    found = cache.fetch("r", short + [6, 9])
+    assert found.kind == "longer" and found.n_cached == 6 and found.cache[0].offset == 6
+    k, _ = found.cache[0].state[:2]
+    assert np.array_equal(np.array(k[..., :6, :]), held(kv_cache(longer[:6])[:1])[0][0])
+
+
+def test_snapshot_mode_for_state_space_caches():
+    def ssm(tokens):
+        layer = ArraysCache(2)
+        layer[0] = mx.array([[float(sum(tokens))]])
+        layer[1] = mx.array([[float(len(tokens))]])
+        return [layer, KVCache()]  # hybrid: an empty attention layer beside it
+
+    cache = PromptCache()
+    seq = [3, 4, 5]
+    cache.insert("s", seq, ssm(seq))
+    assert cache.fetch("s", seq).kind == "miss"  # cannot be trimmed to leave a token
+    found = cache.fetch("s", seq + [6])
+    assert found.kind == "shorter" and found.n_cached == 3
+    assert found.cache[0][0].item() == 12.0
+    found.cache[0][0] = mx.array([[0.0]])  # the caller's copy only
+    assert cache.fetch("s", seq + [6]).cache[0][0].item() == 12.0
+    assert cache.nbytes == 2 * 4
+
+
+def test_lru_prompt_cache_is_a_drop_in_for_mlx_lm():
+    lru = LRUPromptCache(max_size=2)
+    seq = [1, 2, 3, 4]
+    assert lru.fetch_nearest_cache("m", seq) == (None, seq)
+    lru.insert_cache("m", seq, kv_cache(seq), cache_type="user")
+    cache, rest = lru.fetch_nearest_cache("m", seq + [5, 6])
+    assert rest == [5, 6] and same_state(cache, kv_cache(seq))
+    assert len(lru) == 1 and lru.nbytes == 4 * BYTES_PER_TOKEN
+    lru.trim_to(n_sequences=0)
+    assert len(lru) == 0 and lru.stats_by_type()["all"]["n_bytes"] == 0

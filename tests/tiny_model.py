@@ -1,0 +1,74 @@
+"""A tiny random-weight llama that mlx_lm.load opens, with a byte-level ChatML tokenizer.
+
+Built locally so tests need no model hub: 2 layers, hidden size 64, untied
+lm_head (so greedy output varies with the input), GQA with 4 query / 2 KV heads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 264,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def build_tokenizer() -> Tokenizer:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL)
+    return tok
+
+
+def build_tiny_model(path: Path, seed: int = 0) -> Path:
+    """Write the model folder to `path` (created) and return it."""
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    # Larger than default init so logits are far from ties and outputs vary.
+    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    build_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "chat_template": CHATML,
+                "model_max_length": CONFIG["max_position_embeddings"],
+            }
+        )
+    )
+    return path
