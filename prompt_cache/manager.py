@@ -83,6 +83,7 @@ class _Tree:
     layout: Layout
     root: Node = field(default_factory=lambda: Node(tokens=[]))
     stats: CacheStats = field(default_factory=CacheStats)
+    version: int = 0  # bumped by every change to the tree's shape
 
 
 @dataclass
@@ -177,6 +178,14 @@ class PromptCache:
                 self._unpin(tree, plan.pinned)
         return Fetched(cache, plan.n, plan.kind)
 
+    def peek(self, model: Hashable, tokens: Sequence[int]) -> tuple[Kind, int]:
+        """How a fetch would match now, without building a cache or counting a use."""
+        tokens = as_token_list(tokens)
+        with self._lock:
+            tree = self._trees.get(model)
+            plan = self._plan(tree, tokens) if tree is not None and len(tokens) > 1 else None
+        return ("miss", 0) if plan is None else (plan.kind, plan.n)
+
     def _plan(self, tree: _Tree, tokens: list[int]) -> _Plan | None:
         w = walk(tree.root, tokens)
         if tree.layout.sliceable:
@@ -210,6 +219,7 @@ class PromptCache:
                 )
             tree.stats.inserts += 1
             w = walk(tree.root, tokens)
+            version = tree.version
             self._pin(w.nodes)
         try:
             prep = _prepare_insert(layout, w, tokens, cache)
@@ -219,7 +229,7 @@ class PromptCache:
             raise
         with self._lock:
             # The pinned path was not removed meanwhile, so it can only have grown.
-            w2 = walk(tree.root, tokens)
+            w2 = w if tree.version == version else walk(tree.root, tokens)
             anchor = self._anchor(tree, w2, tokens, prep)
             # Only the anchor needs to stay: evicting what hangs below it may
             # free the rest of the old path.
@@ -242,6 +252,7 @@ class PromptCache:
         if not w.partial or (tree.layout.sliceable and w.length == len(tokens)):
             return end
         k = w.length - end.start
+        tree.version += 1
         if not tree.layout.sliceable:
             return split(end, k)
         halves = prep.halves if prep.split_of is end.segment and prep.split_at == k else None
@@ -272,6 +283,7 @@ class PromptCache:
                 self._mark(tree, parent)
             return False
         child = add_child(parent, tokens[m:])
+        tree.version += 1
         child.segment, child.segment_nbytes = seg, need
         self._add_bytes(tree, need)
         self._mark(tree, child)
@@ -285,6 +297,7 @@ class PromptCache:
         if not self._make_room(max(0, prep.entry_nbytes - old), 0 if replaces else 1):
             return False
         node = parent if m == len(tokens) else add_child(parent, tokens[m:])
+        tree.version += 1
         node.entry, node.entry_nbytes = prep.entry, prep.entry_nbytes
         node.entry_trimmable = prep.entry_trimmable
         self._add_bytes(tree, prep.entry_nbytes - old)
@@ -366,6 +379,7 @@ class PromptCache:
         while node.parent is not None and not node.children and not node.terminal and not node.pins:
             parent = node.parent
             detach(node)
+            tree.version += 1
             self._add_bytes(tree, -node.segment_nbytes)
             node = parent
 

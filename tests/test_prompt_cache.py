@@ -183,6 +183,19 @@ def test_a_pinned_sequence_is_not_evicted_under_a_fetch(monkeypatch):
     assert cache.insert("m", b, kv_cache(b))  # unpinned now: a can go
 
 
+def test_peek_matches_fetch_without_counting():
+    cache = PromptCache()
+    seq = SYSTEM + [1, 2]
+    cache.insert("m", seq, kv_cache(seq))
+    for query in (seq, seq + [3], SYSTEM[:10] + [4], [9, 9], [1]):
+        before = cache.stats()
+        peeked = cache.peek("m", query)
+        assert cache.stats() == before
+        found = cache.fetch("m", query)
+        assert peeked == (found.kind, found.n_cached)
+    assert cache.peek("other", seq) == ("miss", 0)
+
+
 def test_stats_count_kinds_and_tokens():
     cache = PromptCache()
     seq = [1, 2, 3, 4]
