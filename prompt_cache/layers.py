@@ -76,14 +76,14 @@ def _own(a: mx.array) -> mx.array:
 def slice_segment(cache: list[Any], start: int, end: int) -> Segment:
     """A copy of the KV of tokens [start, end) of a sliceable cache."""
     seg = tuple(tuple(_own(a[..., start:end, :]) for a in _arrays(c)) for c in cache)
-    mx.eval(seg)
+    mx.async_eval(seg)
     return seg
 
 
 def cut_segment(seg: Segment, start: int, end: int | None = None) -> Segment:
     """A copy of tokens [start, end) of a segment."""
     out = tuple(tuple(_own(a[..., start:end, :]) for a in layer) for layer in seg)
-    mx.eval(out)
+    mx.async_eval(out)
     return out
 
 
@@ -131,7 +131,7 @@ def assemble(layout: Layout, pieces: list[tuple[Segment, int]]) -> list[Any]:
             layer.keys, layer.values = tuple(arrays[:half]), tuple(arrays[half:])
         layer.offset = total
         cache.append(layer)
-    mx.eval(arrays_in(cache))
+    mx.async_eval(arrays_in(cache))
     return cache
 
 
@@ -154,7 +154,7 @@ def snapshot(cache: list[Any]) -> list[Any]:
             out.append(layer)
         else:
             out.append(_fresh_views(c))
-    mx.eval(arrays_in(out))
+    mx.async_eval(arrays_in(out))
     return out
 
 

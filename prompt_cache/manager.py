@@ -38,7 +38,7 @@ from typing import Any, Literal
 from . import layers
 from .eviction import LRUOrder
 from .layers import Layout
-from .radix import Node, Walk, add_child, detach, iter_nodes, nearest, split, walk
+from .radix import TOKEN, Node, Walk, add_child, detach, iter_nodes, nearest, pack, split, walk
 
 Kind = Literal["exact", "shorter", "longer", "miss"]
 
@@ -81,7 +81,7 @@ class CacheStats:
 @dataclass(eq=False)
 class _Tree:
     layout: Layout
-    root: Node = field(default_factory=lambda: Node(tokens=[]))
+    root: Node = field(default_factory=lambda: Node(edge=b""))
     stats: CacheStats = field(default_factory=CacheStats)
     version: int = 0  # bumped by every change to the tree's shape
 
@@ -99,10 +99,9 @@ class _Plan:
     trim: int = 0
 
 
-def as_token_list(tokens: Sequence[int] | Any) -> list[int]:
-    if hasattr(tokens, "tolist"):
-        tokens = tokens.tolist()
-    return [int(t) for t in tokens] if not isinstance(tokens, list) else tokens
+def _key(tokens: Sequence[int] | Any) -> bytes:
+    """Packed tokens from a list, tuple, numpy or mlx array."""
+    return pack(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
 
 
 _NO_LIMIT = 1 << 62
@@ -150,14 +149,14 @@ class PromptCache:
 
     def fetch(self, model: Hashable, tokens: Sequence[int]) -> Fetched:
         """The best reusable state for `tokens`; the returned cache is the caller's."""
-        tokens = as_token_list(tokens)
+        key = _key(tokens)
         with self._lock:
             tree = self._trees.get(model)
             if tree is None:
                 return Fetched(None, 0, "miss")
             tree.stats.lookups += 1
-            tree.stats.tokens_asked += len(tokens)
-            plan = self._plan(tree, tokens) if len(tokens) > 1 else None
+            tree.stats.tokens_asked += len(key) // TOKEN
+            plan = self._plan(tree, key)
             if plan is None:
                 tree.stats.misses += 1
                 return Fetched(None, 0, "miss")
@@ -180,17 +179,18 @@ class PromptCache:
 
     def peek(self, model: Hashable, tokens: Sequence[int]) -> tuple[Kind, int]:
         """How a fetch would match now, without building a cache or counting a use."""
-        tokens = as_token_list(tokens)
+        key = _key(tokens)
         with self._lock:
             tree = self._trees.get(model)
-            plan = self._plan(tree, tokens) if tree is not None and len(tokens) > 1 else None
+            plan = self._plan(tree, key) if tree is not None else None
         return ("miss", 0) if plan is None else (plan.kind, plan.n)
 
-    def _plan(self, tree: _Tree, tokens: list[int]) -> _Plan | None:
-        w = walk(tree.root, tokens)
-        if tree.layout.sliceable:
-            return _plan_segments(w, tokens)
-        return _plan_snapshot(w, tokens)
+    def _plan(self, tree: _Tree, key: bytes) -> _Plan | None:
+        n = len(key) // TOKEN
+        if n < 2:
+            return None
+        w = walk(tree.root, key)
+        return _plan_segments(w, n) if tree.layout.sliceable else _plan_snapshot(w, n)
 
     # ---------------------------------------------------------------- insert
 
@@ -200,13 +200,12 @@ class PromptCache:
         `cache` must hold exactly `tokens` (for KV caches its offset is checked).
         The caller keeps its cache: what is stored is cut and copied from it.
         """
-        tokens = as_token_list(tokens)
+        key = _key(tokens)
+        n = len(key) // TOKEN
         layout = layers.layout_of(cache)
-        if layout.sliceable and layers.length(cache) != len(tokens):
-            raise ValueError(
-                f"the cache holds {layers.length(cache)} tokens but {len(tokens)} were given"
-            )
-        if not tokens:
+        if layout.sliceable and layers.length(cache) != n:
+            raise ValueError(f"the cache holds {layers.length(cache)} tokens but {n} were given")
+        if not n:
             return False
         with self._lock:
             tree = self._trees.get(model)
@@ -218,38 +217,38 @@ class PromptCache:
                     f"got {layout.kinds}; clear it before changing the model"
                 )
             tree.stats.inserts += 1
-            w = walk(tree.root, tokens)
+            w = walk(tree.root, key)
             version = tree.version
             self._pin(w.nodes)
         try:
-            prep = _prepare_insert(layout, w, tokens, cache)
+            prep = _prepare_insert(layout, w, n, cache)
         except BaseException:
             with self._lock:
                 self._unpin(tree, w.nodes)
             raise
         with self._lock:
             # The pinned path was not removed meanwhile, so it can only have grown.
-            w2 = w if tree.version == version else walk(tree.root, tokens)
-            anchor = self._anchor(tree, w2, tokens, prep)
+            w2 = w if tree.version == version else walk(tree.root, key)
+            anchor = self._anchor(tree, w2, n, prep)
             # Only the anchor needs to stay: evicting what hangs below it may
             # free the rest of the old path.
             self._pin([anchor])
             self._unpin(tree, w.nodes)
             try:
                 if layout.sliceable:
-                    stored = self._attach_segment(tree, anchor, w2.length, tokens, prep)
+                    stored = self._attach_segment(tree, anchor, w2.length, key, prep)
                 else:
-                    stored = self._attach_snapshot(tree, anchor, w2.length, tokens, prep)
+                    stored = self._attach_snapshot(tree, anchor, w2.length, key, prep)
             finally:
                 self._unpin(tree, [anchor])
             if not stored:
                 tree.stats.rejected += 1
             return stored
 
-    def _anchor(self, tree: _Tree, w: Walk, tokens: list[int], prep: _Prepared) -> Node:
+    def _anchor(self, tree: _Tree, w: Walk, n: int, prep: _Prepared) -> Node:
         """The node the new sequence ends at or hangs from, splitting an edge if needed."""
         end = w.nodes[-1] if w.nodes else tree.root
-        if not w.partial or (tree.layout.sliceable and w.length == len(tokens)):
+        if not w.partial or (tree.layout.sliceable and w.length == n):
             return end
         k = w.length - end.start
         tree.version += 1
@@ -265,9 +264,9 @@ class PromptCache:
         return head
 
     def _attach_segment(
-        self, tree: _Tree, parent: Node, m: int, tokens: list[int], prep: _Prepared
+        self, tree: _Tree, parent: Node, m: int, key: bytes, prep: _Prepared
     ) -> bool:
-        if m == len(tokens):  # already on a stored path; only recency changes
+        if m * TOKEN == len(key):  # already on a stored path; only recency changes
             if parent.terminal and parent.depth == m:
                 self._lru.touch(parent, tree)
             return True
@@ -282,7 +281,7 @@ class PromptCache:
             if extends:
                 self._mark(tree, parent)
             return False
-        child = add_child(parent, tokens[m:])
+        child = add_child(parent, key[m * TOKEN :])
         tree.version += 1
         child.segment, child.segment_nbytes = seg, need
         self._add_bytes(tree, need)
@@ -290,13 +289,14 @@ class PromptCache:
         return True
 
     def _attach_snapshot(
-        self, tree: _Tree, parent: Node, m: int, tokens: list[int], prep: _Prepared
+        self, tree: _Tree, parent: Node, m: int, key: bytes, prep: _Prepared
     ) -> bool:
-        replaces = m == len(tokens) and parent.terminal
+        ends_here = m * TOKEN == len(key)
+        replaces = ends_here and parent.terminal
         old = parent.entry_nbytes if replaces else 0
         if not self._make_room(max(0, prep.entry_nbytes - old), 0 if replaces else 1):
             return False
-        node = parent if m == len(tokens) else add_child(parent, tokens[m:])
+        node = parent if ends_here else add_child(parent, key[m * TOKEN :])
         tree.version += 1
         node.entry, node.entry_nbytes = prep.entry, prep.entry_nbytes
         node.entry_trimmable = prep.entry_trimmable
@@ -402,8 +402,8 @@ class PromptCache:
 # ---------------------------------------------------------------- planning
 
 
-def _plan_segments(w: Walk, tokens: list[int]) -> _Plan | None:
-    n = min(w.length, len(tokens) - 1)
+def _plan_segments(w: Walk, asked: int) -> _Plan | None:
+    n = min(w.length, asked - 1)
     if n <= 0:
         return None
     pinned, pieces = [], []
@@ -414,14 +414,19 @@ def _plan_segments(w: Walk, tokens: list[int]) -> _Plan | None:
         pieces.append((node.segment, min(node.depth, n) - node.start))
     end = w.nodes[-1]
     if end.terminal and w.length == end.depth:
-        kind: Kind = "exact" if w.length == len(tokens) else "shorter"
+        kind: Kind = "exact" if w.length == asked else "shorter"
     else:
         kind = "longer"
-    return _Plan(kind, n, pinned, end, pieces=pieces)
+    # The reused tokens belong to one cached sequence alone when no branch
+    # follows: that sequence counts as used.
+    used = end
+    while not used.terminal and len(used.children) == 1:
+        (used,) = used.children.values()
+    return _Plan(kind, n, pinned, used, pieces=pieces)
 
 
-def _plan_snapshot(w: Walk, tokens: list[int]) -> _Plan | None:
-    limit = len(tokens) - 1
+def _plan_snapshot(w: Walk, asked: int) -> _Plan | None:
+    limit = asked - 1
     best: _Plan | None = None
     for node in reversed(w.nodes):
         if not node.terminal or node.depth > w.length:
@@ -454,15 +459,15 @@ class _Prepared:
     entry_trimmable: bool = False
 
 
-def _prepare_insert(layout: Layout, w: Walk, tokens: list[int], cache: list[Any]) -> _Prepared:
+def _prepare_insert(layout: Layout, w: Walk, n: int, cache: list[Any]) -> _Prepared:
     if not layout.sliceable:
         entry = layers.snapshot(cache)
         return _Prepared(
             entry=entry, entry_nbytes=layers.nbytes(entry), entry_trimmable=layers.can_trim(entry)
         )
     prep = _Prepared(start=w.length)
-    if w.length < len(tokens):
-        prep.segment = layers.slice_segment(cache, w.length, len(tokens))
+    if w.length < n:
+        prep.segment = layers.slice_segment(cache, w.length, n)
         if w.partial:
             end = w.nodes[-1]
             prep.split_of, prep.split_at = end.segment, w.length - end.start

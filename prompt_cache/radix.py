@@ -7,26 +7,41 @@ Invariants:
 - Every node but the root has a non-empty edge (`tokens`). The children of a
   node start with distinct tokens and `children` is keyed by that first token.
 - `depth` is the number of tokens from the root to the end of a node's edge.
-- A walk compares whole runs of tokens (list slices, compared in C), so a
-  lookup costs one dict probe per node plus a linear compare of the matched
-  tokens, never a Python-level step per token.
+- Tokens are held packed, 4 bytes each (`pack`): a walk compares whole runs
+  with memcmp, so a lookup costs one packing of the query, one dict probe per
+  node and a linear compare, never a Python-level step per token.
 - Nodes are never merged back after a split: merging would cost a copy of the
   payload, and an extra node on a path only costs one dict probe.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+TOKEN = 4  # bytes per packed token
+
+
+def pack(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian int32s: what edges hold and walks compare."""
+    try:
+        return struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error as e:
+        raise ValueError(f"token ids must be integers in int32 range: {e}") from None
+
+
+def unpack(packed: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(packed) // TOKEN}i", packed))
+
 
 @dataclass(eq=False)
 class Node:
-    tokens: list[int]
+    edge: bytes  # this node's tokens, packed
     parent: Node | None = None
     depth: int = 0
-    children: dict[int, Node] = field(default_factory=dict)
+    children: dict[bytes, Node] = field(default_factory=dict)  # keyed by first packed token
     segment: Any = None  # the KV state of this edge's tokens (prefix-sharing mode)
     segment_nbytes: int = 0
     entry: Any = None  # a whole-sequence snapshot ending here (snapshot mode)
@@ -36,9 +51,18 @@ class Node:
     pins: int = 0  # running fetches/inserts using this node; it is not removed while > 0
 
     @property
+    def size(self) -> int:
+        """Tokens on this node's edge."""
+        return len(self.edge) // TOKEN
+
+    @property
     def start(self) -> int:
         """Tokens from the root to the start of this node's edge."""
-        return self.depth - len(self.tokens)
+        return self.depth - self.size
+
+    @property
+    def tokens(self) -> list[int]:
+        return unpack(self.edge)
 
 
 @dataclass
@@ -57,8 +81,8 @@ class Walk:
         return bool(self.nodes) and self.length < self.nodes[-1].depth
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two token lists, by bisecting slice compares."""
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the common prefix of two sequences, by bisecting slice compares."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -72,30 +96,31 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def walk(root: Node, tokens: list[int]) -> Walk:
+def walk(root: Node, packed: bytes) -> Walk:
+    """Walk packed tokens (see `pack`) down from `root`."""
     nodes: list[Node] = []
-    pos, node, n = 0, root, len(tokens)
+    pos, node, n = 0, root, len(packed)
     while pos < n:
-        child = node.children.get(tokens[pos])
+        child = node.children.get(packed[pos : pos + TOKEN])
         if child is None:
             break
-        edge = child.tokens
-        run = tokens[pos : pos + len(edge)]
+        edge = child.edge
+        run = packed[pos : pos + len(edge)]
         nodes.append(child)
         if run == edge:
             pos += len(edge)
             node = child
             continue
-        pos += common_prefix_length(edge, run)
+        pos += common_prefix_length(edge, run) // TOKEN * TOKEN
         break
-    return Walk(nodes, pos)
+    return Walk(nodes, pos // TOKEN)
 
 
-def add_child(parent: Node, tokens: list[int]) -> Node:
-    if not tokens or tokens[0] in parent.children:
+def add_child(parent: Node, edge: bytes) -> Node:
+    if not edge or edge[:TOKEN] in parent.children:
         raise ValueError("a child edge must be non-empty and start with a new token")
-    child = Node(tokens=tokens, parent=parent, depth=parent.depth + len(tokens))
-    parent.children[tokens[0]] = child
+    child = Node(edge=edge, parent=parent, depth=parent.depth + len(edge) // TOKEN)
+    parent.children[edge[:TOKEN]] = child
     return child
 
 
@@ -104,20 +129,20 @@ def split(node: Node, k: int) -> Node:
 
     Payloads are left to the caller: the head starts with none.
     """
-    if not 0 < k < len(node.tokens) or node.parent is None:
-        raise ValueError(f"cannot split an edge of {len(node.tokens)} tokens at {k}")
-    parent = node.parent
-    head = Node(tokens=node.tokens[:k], parent=parent, depth=node.start + k)
-    parent.children[head.tokens[0]] = head
-    node.tokens = node.tokens[k:]
+    if not 0 < k < node.size or node.parent is None:
+        raise ValueError(f"cannot split an edge of {node.size} tokens at {k}")
+    parent, cut = node.parent, k * TOKEN
+    head = Node(edge=node.edge[:cut], parent=parent, depth=node.start + k)
+    parent.children[head.edge[:TOKEN]] = head
+    node.edge = node.edge[cut:]
     node.parent = head
-    head.children[node.tokens[0]] = node
+    head.children[node.edge[:TOKEN]] = node
     return head
 
 
 def detach(node: Node) -> None:
     if node.parent is not None:
-        del node.parent.children[node.tokens[0]]
+        del node.parent.children[node.edge[:TOKEN]]
         node.parent = None
 
 

@@ -51,5 +51,5 @@ def held(cache: list[KVCache]) -> list[tuple[np.ndarray, np.ndarray]]:
 def same_state(a: list[KVCache], b: list[KVCache]) -> bool:
     return all(
         x.offset == y.offset and np.array_equal(kx, ky) and np.array_equal(vx, vy)
-        for x, y, (kx, vx), (ky, vy) in zip(a, b, held(a), held(b))
+        for x, y, (kx, vx), (ky, vy) in zip(a, b, held(a), held(b), strict=True)
     )

@@ -61,7 +61,7 @@ def test_segments_assembled_equal_the_state_computed_directly(tiny_model):
     assert fetched.kind == "shorter" and fetched.n_cached == len(b)
     direct = make_prompt_cache(model)
     model(mx.array(b)[None], cache=direct)
-    for got, want in zip(fetched.cache, direct):
+    for got, want in zip(fetched.cache, direct, strict=True):
         assert got.offset == want.offset == len(b)
         for x, y in ((got.keys, want.keys), (got.values, want.values)):
             np.testing.assert_allclose(

@@ -240,8 +240,8 @@ def test_quantized_kv_cache_is_shared_by_prefix():
     cache.insert("q", b, qcache(b))
     found = cache.fetch("q", b + [3])
     assert found.n_cached == len(b)
-    for got, want in zip(found.cache, qcache(b)):
-        assert all(np.array_equal(x, y) for x, y in zip(held_q(got), held_q(want)))
+    for got, want in zip(found.cache, qcache(b), strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(held_q(got), held_q(want), strict=True))
     per_token = sum(sum(x.nbytes for x in held_q(c)) for c in qcache([1]))
     assert cache.nbytes == (64 + 8 + 8) * per_token
 
