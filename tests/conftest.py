@@ -17,3 +17,33 @@ def tiny_model(tiny_model_dir: Path):
     from mlx_lm import load
 
     return load(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path):
+    from tests.live import serving
+
+    with serving(str(tiny_model_dir), served_model_name="tiny") as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
+def uncached_server(tiny_model_dir: Path):
+    from tests.live import serving
+
+    with serving(str(tiny_model_dir), served_model_name="tiny", no_cache=True) as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def uncached_client(uncached_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=uncached_server.url + "/v1", api_key="unused", max_retries=0)

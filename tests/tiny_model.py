@@ -1,7 +1,10 @@
-"""A tiny random-weight llama that mlx_lm.load opens, with a byte-level ChatML tokenizer.
+"""A tiny random-weight llama that mlx_lm.load opens, with a ChatML byte-level tokenizer.
 
 Built locally so tests need no model hub: 2 layers, hidden size 64, untied
 lm_head (so greedy output varies with the input), GQA with 4 query / 2 KV heads.
+The vocabulary is printable ASCII plus newline, one token per character, and
+the ChatML special tokens: whatever the model generates decodes to text that
+encodes back to the same tokens, so a chat's next turn can reuse the reply.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+UNK = "<unk>"
+CHARS = [10, *range(32, 127)]  # newline and printable ASCII
 
 CHATML = (
     "{% for message in messages %}"
@@ -31,17 +36,25 @@ CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "rms_norm_eps": 1e-5,
-    "vocab_size": 264,
+    "vocab_size": len(CHARS) + 1 + len(SPECIAL),
     "max_position_embeddings": 4096,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
 
 
+def _byte_level_char(b: int) -> str:
+    # GPT-2's byte-to-unicode map: printable bytes stand for themselves, the rest shift.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
 def build_tokenizer() -> Tokenizer:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab = {_byte_level_char(b): i for i, b in enumerate(CHARS)}
+    vocab[UNK] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL)
@@ -65,7 +78,7 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
-                "unk_token": None,
+                "unk_token": UNK,
                 "chat_template": CHATML,
                 "model_max_length": CONFIG["max_position_embeddings"],
             }

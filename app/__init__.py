@@ -1,0 +1,1 @@
+"""mlx-cache-server: the HTTP layer (routes, schemas, engine) over `prompt_cache`."""

@@ -1,0 +1,321 @@
+"""The generation engine: one thread owns MLX and serves every request.
+
+Requests arrive on a queue; the engine thread takes each one's starting state
+from the prompt cache, runs all of them together with mlx-lm's
+`BatchGenerator` (continuous batching), and streams events back to the asyncio
+handlers through `loop.call_soon_threadsafe`, so the event loop never waits on
+the model. When a request ends (finished, stopped or cancelled) the KV of its
+prompt plus what it generated goes back into the cache for the next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from prompt_cache import PromptCache
+
+from .sampling import make_processors, make_sampler
+from .text import StopMatcher
+
+log = logging.getLogger("mlx_cache_server.engine")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # None: no logprobs; else how many alternatives per token
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]]
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Delta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop", "length" or "cancelled"
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Started | Delta | Finished | Failed
+
+
+@dataclass
+class EngineStats:
+    admitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the engine thread sees it; `cancel()` is safe from any thread."""
+
+    tokens: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    cancelled: bool = False
+    uid: int = -1
+    generated: int = 0
+    detok: Any = None
+    stops: StopMatcher | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        cache: PromptCache | None,
+        context_length: int,
+        completion_batch_size: int = 16,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 512,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.cache = cache
+        self.context_length = context_length
+        args = getattr(model, "args", None)
+        self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
+        self._batch_args = {
+            "completion_batch_size": completion_batch_size,
+            "prefill_batch_size": prefill_batch_size,
+            "prefill_step_size": prefill_step_size,
+            "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
+        }
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.running = 0  # requests admitted and not finished (read by /health)
+        self.stats = EngineStats()
+
+    # ---------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def waiting(self) -> int:
+        return self._inbox.qsize()
+
+    # ------------------------------------------------------------ clients
+
+    def submit(self, tokens: list[int], params: SamplingParams, emit: Callable) -> Request:
+        request = Request(list(tokens), params, emit)
+        self._inbox.put(request)
+        return request
+
+    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[Event]:
+        """Events of one generation; leaving the iteration early cancels it."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is gone; nobody is listening
+                pass
+
+        request = self.submit(tokens, params, emit)
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, Finished | Failed):
+                    return
+        finally:
+            request.cancel()
+
+    # ------------------------------------------------------- engine thread
+
+    def _loop(self) -> None:
+        gen: BatchGenerator | None = None
+        active: dict[int, Request] = {}
+        while not self._stopping.is_set():
+            try:
+                for request in self._take(block=not active):
+                    if gen is None:
+                        gen = BatchGenerator(self.model, **self._batch_args)
+                    self._admit(gen, request, active)
+                if gen is None or not active:
+                    continue
+                self._drop_cancelled(gen, active)
+                if not active:
+                    continue
+                _, responses = gen.next()
+                for response in responses:
+                    self._on_token(gen, response, active)
+            except Exception as e:  # keep serving: fail what was running, start afresh
+                log.exception("generation failed")
+                for request in active.values():
+                    request.emit(Failed(f"generation failed: {e}"))
+                self.stats.failed += len(active)
+                active.clear()
+                if gen is not None:
+                    gen.close()
+                gen = None
+            finally:
+                self.running = len(active)
+        for request in active.values():
+            request.emit(Failed("the server is shutting down"))
+        if gen is not None:
+            gen.close()
+
+    def _take(self, block: bool) -> list[Request]:
+        taken = []
+        try:
+            if block:
+                taken.append(self._inbox.get(timeout=0.1))
+            while True:
+                taken.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return taken
+
+    def _admit(self, gen: BatchGenerator, request: Request, active: dict[int, Request]) -> None:
+        if request.cancelled:
+            request.emit(Finished("cancelled", 0))
+            return
+        tokens, p = request.tokens, request.params
+        cached, n = None, 0
+        if self.cache is not None:
+            found = self.cache.fetch(self.model_id, tokens)
+            cached, n = found.cache, found.n_cached
+        (request.uid,) = gen.insert(
+            [tokens[n:]],
+            max_tokens=[p.max_tokens],
+            caches=[cached],
+            all_tokens=[tokens[:n]],
+            samplers=[make_sampler(p.temperature, p.top_p, p.top_k, p.min_p, p.seed)],
+            logits_processors=[
+                make_processors(p.logit_bias, p.presence_penalty, p.frequency_penalty)
+            ],
+        )
+        request.detok = self.tokenizer.detokenizer
+        request.stops = StopMatcher(p.stop)
+        active[request.uid] = request
+        self.stats.admitted += 1
+        request.emit(Started(prompt_tokens=len(tokens), cached_tokens=n))
+
+    def _on_token(self, gen: BatchGenerator, r: Any, active: dict[int, Request]) -> None:
+        request = active[r.uid]
+        request.generated += 1
+        at_eos = r.finish_reason == "stop"  # an end token: not part of the text
+        if not at_eos:
+            request.detok.add_token(r.token)
+        if r.finish_reason is not None:
+            request.detok.finalize()
+        text = request.stops.feed(request.detok.last_segment)
+        logprobs = [] if at_eos else self._logprobs(request, r)
+        if request.stops.stopped:
+            if r.finish_reason is None:
+                self._store(gen.remove([r.uid], return_prompt_caches=True).get(r.uid))
+            else:
+                self._store((r.prompt_cache, r.all_tokens))
+            self._finish(request, active, Delta(text, logprobs), "stop")
+        elif r.finish_reason is not None:
+            text += request.stops.flush()
+            self._store((r.prompt_cache, r.all_tokens))
+            self._finish(request, active, Delta(text, logprobs), r.finish_reason)
+        elif text or logprobs:
+            request.emit(Delta(text, logprobs))
+
+    def _finish(self, request: Request, active: dict, last: Delta, reason: str) -> None:
+        if last.text or last.logprobs:
+            request.emit(last)
+        request.emit(Finished(reason, request.generated))
+        del active[request.uid]
+        self.stats.finished += 1
+
+    def _drop_cancelled(self, gen: BatchGenerator, active: dict[int, Request]) -> None:
+        gone = [uid for uid, request in active.items() if request.cancelled]
+        if not gone:
+            return
+        caches = gen.remove(gone, return_prompt_caches=True)
+        for uid in gone:
+            self._store(caches.get(uid))
+            request = active.pop(uid)
+            request.emit(Finished("cancelled", request.generated))
+            self.stats.cancelled += 1
+
+    def _store(self, state: tuple[list[Any], list[int]] | None) -> None:
+        """Put a finished sequence's KV back into the cache for the next turn."""
+        if self.cache is None or state is None:
+            return
+        cache, tokens = state
+        if not tokens or not cache:
+            return
+        try:
+            self.cache.insert(self.model_id, list(tokens), cache)
+        except ValueError as e:  # never worth failing a request over
+            log.warning("not caching a sequence of %d tokens: %s", len(tokens), e)
+
+    def _logprobs(self, request: Request, r: Any) -> list[TokenLogprob]:
+        k = request.params.logprobs
+        if k is None:
+            return []
+        lp = r.logprobs
+        top: list[tuple[int, str, float]] = []
+        if k > 0:
+            ids = mx.argpartition(-lp, k - 1)[:k]
+            vals = lp[ids]
+            order = mx.argsort(-vals)
+            ids, vals = ids[order].tolist(), vals[order].tolist()
+            top = [(i, self.tokenizer.decode([i]), v) for i, v in zip(ids, vals, strict=True)]
+        token = int(r.token)
+        return [TokenLogprob(token, self.tokenizer.decode([token]), lp[token].item(), top)]

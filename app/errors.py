@@ -1,0 +1,81 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("mlx_cache_server.errors")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None):
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif not out:
+            out = str(p)
+        elif p in ("str", "list[TextPart]", "list[str]", "list[int]", "list[list[int]]"):
+            continue  # pydantic names the union member it tried; not useful to users
+        else:
+            out += f".{p}"
+    return out or None
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(
+            error_body(e.message, e.type, e.param, e.code), e.status, headers=e.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            msg = "We could not parse the JSON body of your request. Send valid JSON."
+            return JSONResponse(error_body(msg, "invalid_request_error"), 400)
+        param = _param(tuple(first.get("loc", ())))
+        if first.get("type") == "missing":
+            msg = f"Missing required parameter: '{param}'." if param else "Missing request body."
+        else:
+            msg = f"Invalid value for '{param}': {first.get('msg')}." if param else first["msg"]
+        return JSONResponse(error_body(msg, "invalid_request_error", param, first.get("type")), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            error_body(str(e.detail), kind), e.status_code, headers=getattr(e, "headers", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"Internal server error: {e}", "server_error"), 500)

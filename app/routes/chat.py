@@ -1,0 +1,180 @@
+"""POST /v1/chat/completions"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ..deps import EngineDep
+from ..engine import Delta, Engine, Failed, Finished, SamplingParams, Started, TokenLogprob
+from ..errors import APIError
+from ..generation import (
+    SSE_DONE,
+    check_model,
+    collect,
+    make_usage,
+    new_id,
+    now,
+    sampling_params,
+    sse,
+)
+from ..schemas import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChoiceLogprobs,
+    ErrorResponse,
+    ResponseMessage,
+    TokenLogprobOut,
+    TopLogprob,
+)
+
+router = APIRouter(tags=["chat"])
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
+}
+
+
+def _message(m: ChatMessage, index: int) -> dict[str, Any]:
+    if isinstance(m.content, list):
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    400,
+                    f"Only text content parts are supported; got a '{part.type}' part.",
+                    param=f"messages[{index}].content[{j}]",
+                )
+            texts.append(part.text)
+        content = "".join(texts)
+    else:
+        content = m.content or ""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    out["content"] = content
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
+
+
+def render(engine: Engine, req: ChatCompletionRequest) -> list[int]:
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    if req.tools:
+        kwargs["tools"] = req.tools
+    try:
+        tokens = engine.tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as e:  # the model's own template refused these messages
+        raise APIError(
+            400, f"The chat template rejected the messages: {e}", param="messages"
+        ) from e
+    return list(tokens)
+
+
+def _logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:
+    def entry(text: str, lp: float) -> TopLogprob:
+        return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprobOut(
+                **entry(t.text, t.logprob).model_dump(),
+                top_logprobs=[entry(text, lp) for _, text, lp in t.top],
+            )
+            for t in items
+        ]
+    )
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses=ERRORS,
+    summary="Create a chat completion",
+)
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, engine: EngineDep):
+    state = request.app.state
+    check_model(req.model, engine, state.model_aliases)
+    tokens = render(engine, req)
+    want_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
+    params = sampling_params(
+        req,
+        prompt_tokens=len(tokens),
+        max_tokens=req.max_completion_tokens or req.max_tokens,
+        logprobs=want_logprobs,
+        engine=engine,
+        limits=state.limits,
+        prompt_param="messages",
+    )
+    cid, created = new_id("chatcmpl"), now()
+    if req.stream:
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(engine, tokens, params, cid, created, req.model, usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    result = await collect(engine, tokens, params)
+    return ChatCompletion(
+        id=cid,
+        created=created,
+        model=req.model,
+        choices=[
+            ChatChoice(
+                index=0,
+                message=ResponseMessage(content=result.text),
+                logprobs=_logprobs_out(result.logprobs) if want_logprobs is not None else None,
+                finish_reason=result.finish_reason,
+            )
+        ],
+        usage=result.usage(),
+    )
+
+
+async def _stream(
+    engine: Engine,
+    tokens: list[int],
+    params: SamplingParams,
+    cid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
+        payload = {
+            **base,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            ],
+        }
+        if include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    prompt = cached = 0
+    async for event in engine.stream(tokens, params):
+        if isinstance(event, Started):
+            prompt, cached = event.prompt_tokens, event.cached_tokens
+            yield chunk({"role": "assistant", "content": ""})
+        elif isinstance(event, Delta):
+            lp = _logprobs_out(event.logprobs).model_dump() if params.logprobs is not None else None
+            yield chunk({"content": event.text}, logprobs=lp)
+        elif isinstance(event, Finished):
+            yield chunk({}, finish=event.reason)
+            if include_usage:
+                usage = make_usage(prompt, cached, event.completion_tokens)
+                yield sse({**base, "choices": [], "usage": usage.model_dump()})
+            yield SSE_DONE
+        elif isinstance(event, Failed):
+            yield sse({"error": {"message": event.message, "type": "server_error"}})
+            yield SSE_DONE

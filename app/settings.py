@@ -1,0 +1,89 @@
+"""Server settings: defaults < config file (TOML) < environment < command-line flags."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "MLX_CACHE_SERVER_"
+
+
+@dataclass
+class Settings:
+    model: str | None = None  # a local folder or Hugging Face id; None: the embedded default
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    cache_max_sequences: int = 64
+    cache_max_bytes: int | None = None
+    no_cache: bool = False
+    context_length: int | None = None  # None: the model's own
+    max_tokens_cap: int = 32768
+    default_max_tokens: int = 2048
+    completion_batch_size: int = 16
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+    log_level: str = "info"
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '512MiB', '2GB', '1.5g' or a plain number."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (try 512MiB or 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name == "cache_max_bytes":
+        return parse_size(value)
+    kind = {f.name: f.type for f in fields(Settings)}[name]
+    if "int" in kind and "str" not in kind:
+        return int(value)
+    if kind == "bool":
+        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+    return str(value)
+
+
+def load_settings(config: Path | None, flags: dict[str, Any]) -> Settings:
+    values: dict[str, Any] = {}
+    if config is not None:
+        with open(config, "rb") as f:
+            data = tomllib.load(f)
+        unknown = set(data) - {f.name for f in fields(Settings)}
+        if unknown:
+            raise ValueError(f"unknown settings in {config}: {', '.join(sorted(unknown))}")
+        values.update(data)
+    for f in fields(Settings):
+        env = os.environ.get(ENV_PREFIX + f.name.upper())
+        if env is not None:
+            values[f.name] = env
+    values.update({k: v for k, v in flags.items() if v is not None})
+    return Settings(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def describe_size(n: int | None) -> str:
+    if n is None:
+        return "no byte budget"
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,110 @@
+"""Bad input gets a 4xx in OpenAI's error shape, and harms nothing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+GOOD = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def post(server, body, path="/v1/chat/completions", **kw):
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+CASES = [
+    ("unknown model", {**GOOD, "model": "gpt-9"}, 404, "model"),
+    ("empty messages", {**GOOD, "messages": []}, 400, "messages"),
+    ("bad role", {**GOOD, "messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("missing messages", {"model": "tiny"}, 400, "messages"),
+    ("wrong type", {**GOOD, "max_tokens": "many"}, 400, "max_tokens"),
+    ("temperature range", {**GOOD, "temperature": 9}, 400, "temperature"),
+    ("n > 1", {**GOOD, "n": 2}, 400, "n"),
+    ("max_tokens cap", {**GOOD, "max_tokens": 10**7}, 400, "max_tokens"),
+    ("max_tokens past context", {**GOOD, "max_tokens": 4090}, 400, "max_tokens"),
+    ("zero max_tokens", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "prompt past context",
+        {**GOOD, "messages": [{"role": "user", "content": "a" * 5000}]},
+        400,
+        "messages",
+    ),
+    ("bad logit_bias", {**GOOD, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("top_logprobs alone", {**GOOD, "top_logprobs": 2}, 400, "top_logprobs"),
+    (
+        "image part",
+        {
+            **GOOD,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        },
+        400,
+        "messages[0].content[0]",
+    ),
+    ("stop wrong type", {**GOOD, "stop": 5}, 400, None),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param"), CASES, ids=[c[0] for c in CASES])
+def test_bad_chat_requests(server, name, body, status, param):
+    assert_error(post(server, body), status, param)
+
+
+def test_context_error_names_the_limit(server):
+    body = {**GOOD, "messages": [{"role": "user", "content": "a" * 5000}]}
+    err = assert_error(post(server, body), 400)
+    assert "4096" in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_malformed_json(server):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b'{"model": "tiny", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert_error(r, 400)
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"[1, 2]",
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert_error(r, 400)
+
+
+COMPLETION_CASES = [
+    ("empty prompt", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("token out of range", {"model": "tiny", "prompt": [1, 10**6]}, 400, "prompt"),
+    ("several prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("unknown model", {"model": "nope", "prompt": "a"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "status", "param"), COMPLETION_CASES, ids=[c[0] for c in COMPLETION_CASES]
+)
+def test_bad_completion_requests(server, name, body, status, param):
+    assert_error(post(server, body, "/v1/completions"), status, param)
+
+
+def test_unknown_route_and_method(server):
+    assert_error(httpx.get(server.url + "/v1/nothing"), 404)
+    assert_error(httpx.get(server.url + "/v1/chat/completions"), 405)
+    assert_error(httpx.get(server.url + "/v1/models/nope"), 404)
+
+
+def test_bad_requests_leave_the_cache_and_server_intact(server):
+    before = server.engine.cache.stats()
+    for _, body, _, _ in CASES:
+        post(server, body)
+    after = server.engine.cache.stats()
+    assert (after.sequences, after.bytes) == (before.sequences, before.bytes)
+    r = post(server, GOOD)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
