@@ -24,21 +24,58 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cache", action="store_true", default=None, help="serve uncached")
     serve.add_argument("--context-length", type=int, help="override the model's context")
     serve.add_argument("--log-level", help="debug, info, warning or error")
+    imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX folder")
+    imp.add_argument("gguf", type=Path, help="the .gguf file")
+    imp.add_argument("out", type=Path, help="the folder to write")
+    imp.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "float16", "bfloat16"],
+        help="weights dtype (default: float32 on Linux, float16 on macOS)",
+    )
+    imp.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="keep Q4_0/Q4_1/Q8_0 tensors quantized instead of converting",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
-    return 2
+    if args.command == "import-gguf":
+        return import_command(args)
+    from .blas import reexec_with_openblas
+
+    reexec_with_openblas(["-m", "app", *argv])
+    return serve(args)
+
+
+def import_command(args: argparse.Namespace) -> int:
+    from .default_model import default_dtype
+    from .gguf import GGUFError, import_gguf
+
+    try:
+        import_gguf(
+            args.gguf,
+            args.out,
+            dtype=args.dtype or default_dtype(),
+            keep_quantized=args.keep_quantized,
+            progress=lambda line: print(line, file=sys.stderr),
+        )
+    except (GGUFError, OSError) as e:
+        print(f"mlx-cache-server: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
     import uvicorn
 
-    from .server import build_engine, create_app, limits_of
+    from .blas import describe as describe_blas
+    from .server import build_engine, create_app, limits_of, weights_dtype
     from .settings import describe_size, load_settings
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -52,16 +89,26 @@ def serve(args: argparse.Namespace) -> int:
     )
     model_path = settings.model
     if model_path is None:
-        print("mlx-cache-server: no model given; pass --model PATH_OR_HF_ID", file=sys.stderr)
-        return 2
+        from .default_model import NAME, default_model_dir
+
+        settings.served_model_name = settings.served_model_name or NAME
+        try:
+            model_path = str(default_model_dir(progress=log.info))
+        except FileNotFoundError as e:
+            print(f"mlx-cache-server: {e}", file=sys.stderr)
+            return 2
     engine = build_engine(settings, model_path)
+    blas, fast = describe_blas()
     log.info(
-        "model %s (%s) on %s; context %d tokens",
+        "model %s (%s, %s weights) on %s; context %d tokens",
         engine.model_id,
         model_path,
+        weights_dtype(engine.model),
         mx.default_device(),
         engine.context_length,
     )
+    if mx.default_device() == mx.cpu:
+        (log.info if fast else log.warning)("CPU matmuls use %s", blas)
     if engine.cache is None:
         log.info("prompt cache: off (--no-cache)")
     else:

@@ -71,6 +71,13 @@ def _model_id(model_path: str) -> str:
     return path.name if path.exists() else model_path
 
 
+def weights_dtype(model) -> str:
+    from mlx.utils import tree_flatten
+
+    kinds = {str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())}
+    return "/".join(sorted(kinds))
+
+
 def _context_length(model) -> int:
     args = getattr(model, "args", None)
     for name in ("max_position_embeddings", "max_seq_len", "context_length"):

