@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from prompt_cache import PromptCache
+from prompt_cache.radix import common_prefix_length
 
 from .sampling import make_processors, make_sampler
 from .text import StopMatcher
@@ -98,6 +99,9 @@ class Request:
     generated: int = 0
     detok: Any = None
     stops: StopMatcher | None = None
+    prefilling: bool = False
+    boundary: int = 0  # tokens of a prefix shared with waiting requests, cached once prefilled
+    followers: list[Request] = field(default_factory=list)  # waiting for that prefix
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -115,12 +119,14 @@ class Engine:
         completion_batch_size: int = 16,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
+        min_shared_prefix: int = 32,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.cache = cache
         self.context_length = context_length
+        self.min_shared_prefix = min_shared_prefix
         args = getattr(model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
         self._batch_args = {
@@ -189,30 +195,34 @@ class Engine:
         active: dict[int, Request] = {}
         while not self._stopping.is_set():
             try:
-                for request in self._take(block=not active):
+                new = self._take(block=not active)
+                if new:
                     if gen is None:
                         gen = BatchGenerator(self.model, **self._batch_args)
-                    self._admit(gen, request, active)
+                    self._intake(gen, new, active)
                 if gen is None or not active:
                     continue
                 self._drop_cancelled(gen, active)
                 if not active:
                     continue
-                _, responses = gen.next()
+                prefills, responses = gen.next()
+                for progress in prefills:
+                    self._on_prefill(gen, progress, active)
                 for response in responses:
                     self._on_token(gen, response, active)
             except Exception as e:  # keep serving: fail what was running, start afresh
                 log.exception("generation failed")
-                for request in active.values():
+                everyone = [x for r in active.values() for x in (r, *r.followers)]
+                for request in everyone:
                     request.emit(Failed(f"generation failed: {e}"))
-                self.stats.failed += len(active)
+                self.stats.failed += len(everyone)
                 active.clear()
                 if gen is not None:
                     gen.close()
                 gen = None
             finally:
                 self.running = len(active)
-        for request in active.values():
+        for request in [x for r in active.values() for x in (r, *r.followers)]:
             request.emit(Failed("the server is shutting down"))
         if gen is not None:
             gen.close()
@@ -227,17 +237,68 @@ class Engine:
         except queue.Empty:
             return taken
 
+    def _intake(self, gen: BatchGenerator, new: list[Request], active: dict[int, Request]) -> None:
+        """Admit new requests; those sharing an uncached prefix wait for it to be computed once.
+
+        When several requests share a prefix the cache does not hold yet (16 chats
+        with one system prompt, say), the first one (the leader) is admitted with
+        its prompt cut at that prefix; once prefilled, the prefix goes into the
+        cache and the others are admitted and reuse it, instead of each
+        prefilling it in parallel.
+        """
+        if self.cache is None:
+            for request in new:
+                self._admit(gen, request, active)
+            return
+        running = [r for r in active.values() if r.prefilling]
+        leaders: list[Request] = []
+        for request in new:
+            _, cached = self.cache.peek(self.model_id, request.tokens)
+            leader, shared = None, 0
+            for candidate in running + leaders:
+                n = common_prefix_length(request.tokens, candidate.tokens)
+                n = min(n, len(request.tokens) - 1, len(candidate.tokens) - 1)
+                if n - cached >= self.min_shared_prefix and n > shared:
+                    leader, shared = candidate, n
+            if leader is None:
+                leaders.append(request)
+                continue
+            leader.followers.append(request)
+            if leader in leaders:  # not admitted yet: cut its prompt where the sharing ends
+                leader.boundary = min(leader.boundary or shared, shared)
+        for request in leaders:
+            self._admit(gen, request, active)
+
+    def _on_prefill(self, gen: BatchGenerator, progress: Any, active: dict[int, Request]) -> None:
+        request = active.get(progress.uid)
+        if request is None:
+            return
+        if progress.end_of_prompt:
+            request.prefilling = False
+        if request.followers and (progress.end_of_segment or progress.end_of_prompt):
+            self._store(gen.extract_cache([progress.uid]).get(progress.uid))
+            self._release(gen, request, active)
+
+    def _release(self, gen: BatchGenerator, leader: Request, active: dict[int, Request]) -> None:
+        followers, leader.followers = leader.followers, []
+        for request in followers:
+            self._admit(gen, request, active)
+
     def _admit(self, gen: BatchGenerator, request: Request, active: dict[int, Request]) -> None:
         if request.cancelled:
             request.emit(Finished("cancelled", 0))
+            self._release(gen, request, active)
             return
         tokens, p = request.tokens, request.params
         cached, n = None, 0
         if self.cache is not None:
             found = self.cache.fetch(self.model_id, tokens)
             cached, n = found.cache, found.n_cached
-        (request.uid,) = gen.insert(
-            [tokens[n:]],
+        segments = [tokens[n:]]
+        if n < request.boundary < len(tokens):
+            segments = [tokens[n : request.boundary], tokens[request.boundary :]]
+        (request.uid,) = gen.insert_segments(
+            [segments],
             max_tokens=[p.max_tokens],
             caches=[cached],
             all_tokens=[tokens[:n]],
@@ -248,6 +309,7 @@ class Engine:
         )
         request.detok = self.tokenizer.detokenizer
         request.stops = StopMatcher(p.stop)
+        request.prefilling = True
         active[request.uid] = request
         self.stats.admitted += 1
         request.emit(Started(prompt_tokens=len(tokens), cached_tokens=n))
@@ -292,6 +354,7 @@ class Engine:
             request = active.pop(uid)
             request.emit(Finished("cancelled", request.generated))
             self.stats.cancelled += 1
+            self._release(gen, request, active)
 
     def _store(self, state: tuple[list[Any], list[int]] | None) -> None:
         """Put a finished sequence's KV back into the cache for the next turn."""

@@ -1,0 +1,57 @@
+"""Prefix-aware admission: requests sharing an uncached prefix compute it once."""
+
+from __future__ import annotations
+
+import time
+
+from app.engine import Delta, Finished, SamplingParams, Started
+from app.server import build_engine
+from app.settings import Settings
+from prompt_cache.radix import common_prefix_length
+
+SYSTEM = "You are a careful assistant who answers briefly and precisely. " * 5
+
+
+def chat(tokenizer, question):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def run_all(engine, prompts, max_tokens=12):
+    """Submit every prompt before the engine starts, so they arrive together."""
+    events = [[] for _ in prompts]
+    for prompt, sink in zip(prompts, events, strict=True):
+        engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), sink.append)
+    engine.start()
+    deadline = time.monotonic() + 120
+    while not all(any(isinstance(e, Finished) for e in sink) for sink in events):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.stop()
+    started = [next(e for e in sink if isinstance(e, Started)) for sink in events]
+    texts = ["".join(e.text for e in sink if isinstance(e, Delta)) for sink in events]
+    return started, texts
+
+
+def test_shared_system_prompt_is_prefilled_once(tiny_model_dir, uncached_client):
+    questions = [f"Question {i}: what is {i} plus {i}?" for i in range(6)]
+    engine = build_engine(Settings(), str(tiny_model_dir))
+    prompts = [chat(engine.tokenizer, q) for q in questions]
+    started, texts = run_all(engine, prompts)
+    shared = min(common_prefix_length(prompts[0], p) for p in prompts[1:])
+    assert started[0].cached_tokens == 0  # the leader computes the prefix
+    assert all(s.cached_tokens >= shared for s in started[1:])  # the others reuse it
+    # And nothing changed in what they generate.
+    for question, text in zip(questions, texts, strict=True):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        r = uncached_client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0
+        )
+        assert r.choices[0].message.content == text
+
+
+def test_without_the_cache_nobody_waits(tiny_model_dir):
+    engine = build_engine(Settings(no_cache=True), str(tiny_model_dir))
+    prompts = [chat(engine.tokenizer, f"Q{i}") for i in range(3)]
+    started, texts = run_all(engine, prompts)
+    assert [s.cached_tokens for s in started] == [0, 0, 0] and all(texts)
