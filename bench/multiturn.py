@@ -1,0 +1,514 @@
+"""Multi-turn chat workloads, ours against mlx_lm.server, same model, machine and requests.
+
+Each server runs alone in turn (ours, ours with --no-cache, the peer), started
+by this script on a free loopback port with OpenBLAS preloaded and the same
+cache limits. A client using the official `openai` SDK (streaming, with
+stream_options.include_usage) drives five workloads, greedy:
+
+  1 sequential  a few conversations, many turns, long system prompt
+  2 shared      many chats sharing one system prompt, all concurrent, several turns
+  3 overflow    more conversations than the byte budget holds, round-robin
+  4 branching   regenerate the last answer, then edit the last user message
+  5 unique      no reuse possible: what the cache itself costs
+
+Reported per workload and server: TTFT (median, p95), wall time, completion
+tokens/s, reuse = sum(cached)/sum(prompt) and its share of the ceiling (the
+tokens a perfect cache could have reused, computed from the token streams),
+peak RSS, and whether greedy outputs match across servers.
+
+    python bench/multiturn.py            # full run (tens of minutes on 2 CPU cores)
+    python bench/multiturn.py --quick    # a smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+from openai import AsyncOpenAI
+
+from app.blas import find_openblas
+from app.default_model import default_model_dir
+from prompt_cache.radix import common_prefix_length
+
+RESULTS = Path(__file__).parent / "results"
+WORDS = (
+    "system careful answer question concise helpful detail example context reason clear "
+    "brief accurate friendly polite expert language model user assistant guideline rule"
+).split()
+
+
+@dataclass
+class Call:
+    workload: str
+    conv: int
+    turn: int
+    wave: int  # requests of one wave are sent together
+    messages: list[dict]
+    ttft: float = 0.0
+    total: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reply: str = ""
+    ceiling: int = 0
+
+
+@dataclass
+class Server:
+    kind: str  # "ours", "ours-nocache" or "peer"
+    port: int
+    proc: subprocess.Popen | None = None
+    peak_rss: int = 0
+    calls: list[Call] = field(default_factory=list)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
+    port = free_port()
+    if kind == "peer":
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--prompt-cache-size",
+            str(max_sequences),
+            "--prompt-cache-bytes",
+            str(max_bytes),
+            "--log-level",
+            "WARNING",
+        ]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "bench",
+            "--cache-max-sequences",
+            str(max_sequences),
+            "--cache-max-bytes",
+            str(max_bytes),
+            "--log-level",
+            "warning",
+        ]
+        if kind == "ours-nocache":
+            cmd.append("--no-cache")
+    env = dict(os.environ, MLX_CACHE_SERVER_BLAS_CHECKED="1")
+    lib = find_openblas()
+    if lib:
+        env["LD_PRELOAD"] = lib  # both servers get the same BLAS
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{kind} server did not start")
+        time.sleep(0.5)
+    return Server(kind, port, proc)
+
+
+def stop(server: Server) -> None:
+    try:
+        status = Path(f"/proc/{server.proc.pid}/status").read_text()
+        server.peak_rss = next(
+            int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM")
+        )
+    except (OSError, StopIteration):
+        server.peak_rss = 0
+    server.proc.terminate()
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+
+
+async def send(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> None:
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=call.messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts = []
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if not parts:
+                call.ttft = time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            call.prompt_tokens = chunk.usage.prompt_tokens
+            call.completion_tokens = chunk.usage.completion_tokens
+            details = chunk.usage.prompt_tokens_details
+            call.cached_tokens = (details.cached_tokens or 0) if details else 0
+    call.total = time.perf_counter() - t0
+    call.ttft = call.ttft or call.total
+    call.reply = "".join(parts)
+
+
+def system_prompt(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def question(conv: int, turn: int) -> str:
+    n = turn * 7 + conv
+    return f"Conversation {conv}, turn {turn}: tell me one short fact about the number {n}."
+
+
+class Workloads:
+    """The requests of each workload; each turn's messages depend on the server's replies."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.max_tokens = 16 if quick else 32
+        self.wave = 0  # counts across workloads: the server's cache outlives each workload
+
+    def next_wave(self) -> int:
+        self.wave += 1
+        return self.wave
+
+    async def run(self, server: Server, model: str) -> None:
+        client = AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=3600
+        )
+        q = self.quick
+        await self.chats(
+            server,
+            client,
+            model,
+            "1-sequential",
+            convs=2,
+            turns=3 if q else 6,
+            concurrent=False,
+            system_words=200 if q else 400,
+        )
+        await self.chats(
+            server,
+            client,
+            model,
+            "2-shared",
+            convs=4 if q else 16,
+            turns=2 if q else 3,
+            concurrent=True,
+            system_words=200 if q else 400,
+        )
+        await self.chats(
+            server,
+            client,
+            model,
+            "3-overflow",
+            convs=4 if q else 8,
+            turns=3 if q else 4,
+            concurrent=False,
+            system_words=200 if q else 400,
+        )
+        await self.branching(server, client, model)
+        await self.unique(server, client, model, n=3 if q else 8)
+
+    async def chats(self, server, client, model, name, *, convs, turns, concurrent, system_words):
+        """Conversations turn by turn; sequential ones go round-robin across conversations."""
+        system = system_prompt(system_words, seed=1)
+        history = [[{"role": "system", "content": system}] for _ in range(convs)]
+        for turn in range(turns):
+            calls = []
+            wave = self.next_wave()
+            for conv in range(convs):
+                history[conv].append({"role": "user", "content": question(conv, turn)})
+                calls.append(Call(name, conv, turn, wave, list(history[conv])))
+                if not concurrent:
+                    wave = self.next_wave()
+            if concurrent:
+                await asyncio.gather(*(send(client, model, c, self.max_tokens) for c in calls))
+            else:
+                for c in calls:  # round-robin: conversation after conversation, turn by turn
+                    await send(client, model, c, self.max_tokens)
+            for conv, c in enumerate(calls):
+                history[conv].append({"role": "assistant", "content": c.reply})
+            server.calls += calls
+
+    async def branching(self, server, client, model) -> None:
+        system = system_prompt(200 if self.quick else 400, seed=2)
+        messages = [{"role": "system", "content": system}]
+        for turn in range(3):
+            messages.append({"role": "user", "content": question(0, turn)})
+            c = Call("4-branching", 0, turn, self.next_wave(), list(messages))
+            await send(client, model, c, self.max_tokens)
+            messages.append({"role": "assistant", "content": c.reply})
+            server.calls.append(c)
+        # The same last turn again, then the last user message edited.
+        regenerate = Call("4-branching", 0, 3, self.next_wave(), messages[:-1])
+        await send(client, model, regenerate, self.max_tokens)
+        edited = messages[:-2] + [{"role": "user", "content": question(0, 99)}]
+        edit = Call("4-branching", 0, 4, self.next_wave(), edited)
+        await send(client, model, edit, self.max_tokens)
+        server.calls += [regenerate, edit]
+
+    async def unique(self, server, client, model, n) -> None:
+        for i in range(n):
+            system = f"Session {random.Random(i).getrandbits(64):x}. " + system_prompt(150, 100 + i)
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question(i, 0)},
+            ]
+            c = Call("5-unique", i, 0, self.next_wave(), messages)
+            await send(client, model, c, self.max_tokens)
+            server.calls.append(c)
+
+
+def add_ceilings(calls: list[Call], tokenizer) -> None:
+    """Tokens a perfect cache could have reused for each call, from the token streams.
+
+    Everything sent earlier in the run counts, as the server's cache keeps it across
+    workloads: a request of an earlier wave has ended, so its reply could be reused too;
+    one of the same wave (sent together) offers its prompt only.
+    """
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    seen: list[tuple[int, list[int], int]] = []  # (wave, prompt + reply, prompt length)
+    for c in calls:
+        prompt = tokenizer.apply_chat_template(c.messages, add_generation_prompt=True)
+        best = 0
+        for wave, tokens, n_prompt in seen:
+            usable = tokens if wave < c.wave else tokens[:n_prompt]
+            best = max(best, common_prefix_length(prompt, usable))
+        c.ceiling = min(best, len(prompt) - 1)
+        reply = tokenizer.encode(c.reply, add_special_tokens=False)
+        seen.append((c.wave, prompt + reply + eos, len(prompt)))
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+
+def summarize(servers: dict[str, Server]) -> dict:
+    out: dict = {}
+    workloads = sorted({c.workload for s in servers.values() for c in s.calls})
+    for w in workloads:
+        out[w] = {}
+        for kind, s in servers.items():
+            calls = [c for c in s.calls if c.workload == w]
+            warm = [c.ttft for c in calls if c.turn > 0] or [c.ttft for c in calls]
+            cold = [c.ttft for c in calls if c.turn == 0]
+            prompt = sum(c.prompt_tokens for c in calls)
+            cached = sum(c.cached_tokens for c in calls)
+            ceiling = sum(c.ceiling for c in calls)
+            wall = sum(c.total for c in calls) if w != "2-shared" else None
+            out[w][kind] = {
+                "requests": len(calls),
+                "ttft_median": statistics.median(c.ttft for c in calls),
+                "ttft_p95": percentile([c.ttft for c in calls], 0.95),
+                "warm_ttft_median": statistics.median(warm),
+                "cold_ttft_median": statistics.median(cold) if cold else None,
+                "completion_tokens_per_s": sum(c.completion_tokens for c in calls)
+                / max(1e-9, sum(c.total - c.ttft for c in calls)),
+                "reuse": cached / prompt if prompt else 0.0,
+                "ceiling": ceiling / prompt if prompt else 0.0,
+                "reuse_of_ceiling": cached / ceiling if ceiling else 1.0,
+                "sequential_wall_s": wall,
+            }
+    return out
+
+
+def compare_outputs(servers: dict[str, Server]) -> dict[str, int]:
+    ours = servers["ours"].calls
+    out = {}
+    for kind in ("ours-nocache", "peer"):
+        if kind in servers:
+            other = servers[kind].calls
+            out[kind] = sum(a.reply != b.reply for a, b in zip(ours, other, strict=True))
+    return out
+
+
+def plot(summary: dict, servers: dict[str, Server], path: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, w in zip(axes, ("1-sequential", "2-shared"), strict=True):
+        for kind, s in servers.items():
+            turns = sorted({c.turn for c in s.calls if c.workload == w})
+            med = [
+                statistics.median(c.ttft for c in s.calls if c.workload == w and c.turn == t)
+                for t in turns
+            ]
+            ax.plot(turns, med, marker="o", label=kind)
+        ax.set_title(f"workload {w}: TTFT by turn (median)")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("seconds")
+        ax.legend()
+    fig.tight_layout()
+    files.append(path / "ttft_by_turn.png")
+    fig.savefig(files[-1], dpi=110)
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    workloads = list(summary)
+    kinds = [k for k in servers if k != "ours-nocache"]
+    width = 0.8 / (len(kinds) + 1)
+    for i, kind in enumerate(kinds):
+        ax.bar(
+            [j + i * width for j in range(len(workloads))],
+            [summary[w][kind]["reuse"] for w in workloads],
+            width,
+            label=f"{kind} reuse",
+        )
+    ax.bar(
+        [j + len(kinds) * width for j in range(len(workloads))],
+        [summary[w]["ours"]["ceiling"] for w in workloads],
+        width,
+        label="ceiling",
+        color="grey",
+    )
+    ax.set_xticks([j + width for j in range(len(workloads))], workloads)
+    ax.set_ylabel("cached / prompt tokens")
+    ax.set_title("Reuse against the ceiling")
+    ax.legend()
+    fig.tight_layout()
+    files.append(path / "reuse.png")
+    fig.savefig(files[-1], dpi=110)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(list(servers), [s.peak_rss / 2**20 for s in servers.values()])
+    ax.set_ylabel("peak RSS (MiB)")
+    ax.set_title("Server memory over the whole run")
+    fig.tight_layout()
+    files.append(path / "memory.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close("all")
+    return files
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default=None, help="model folder (default: the embedded one)")
+    ap.add_argument("--servers", default="ours,ours-nocache,peer")
+    ap.add_argument("--cache-max-sequences", type=int, default=32)
+    ap.add_argument(
+        "--cache-max-bytes",
+        type=int,
+        default=None,
+        help="byte budget for both caches (default: about a third of workload 3)",
+    )
+    args = ap.parse_args()
+    model = args.model or str(default_model_dir())
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model))  # renders chat templates as the servers do
+    config = json.loads((Path(model) / "config.json").read_text())
+    per_token = (
+        config["num_hidden_layers"]
+        * 2
+        * config["num_key_value_heads"]
+        * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        * 4
+    )
+    # Workload 3's conversations end near 700 tokens (400 in --quick); the budget holds about a
+    # third of them when each is stored whole, as the peer does.
+    budget = args.cache_max_bytes or per_token * (700 if not args.quick else 400) * (
+        3 if not args.quick else 2
+    )
+    workloads = Workloads(args.quick)
+    servers: dict[str, Server] = {}
+    for kind in args.servers.split(","):
+        print(f"[{kind}] starting", flush=True)
+        server = start(kind, model, args.cache_max_sequences, budget)
+        name = "bench" if kind != "peer" else model
+        try:
+            asyncio.run(workloads.run(server, name))
+        finally:
+            stop(server)
+        add_ceilings(server.calls, tokenizer)
+        servers[kind] = server
+        print(f"[{kind}] done: {len(server.calls)} requests, peak RSS {server.peak_rss >> 20} MiB")
+    summary = summarize(servers)
+    mismatches = compare_outputs(servers)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = "quick" if args.quick else "full"
+    (RESULTS / f"multiturn_{tag}.json").write_text(
+        json.dumps(
+            {
+                "budget_bytes": budget,
+                "summary": summary,
+                "mismatches_vs_ours": mismatches,
+                "peak_rss": {k: s.peak_rss for k, s in servers.items()},
+                "calls": {k: [asdict(c) for c in s.calls] for k, s in servers.items()},
+            },
+            indent=2,
+        )
+    )
+    print_table(summary, servers, mismatches, budget)
+    for f in plot(summary, servers, RESULTS):
+        print(f"wrote {f}")
+
+
+def print_table(summary: dict, servers: dict[str, Server], mismatches: dict, budget: int) -> None:
+    print(f"\ncache budget for both: {budget / 2**20:.0f} MiB; medians in seconds")
+    head = f"{'workload':<13} {'server':<13} {'TTFT':>7} {'p95':>7} {'warm':>7} {'cold':>7} "
+    print(head + f"{'tok/s':>6} {'reuse':>6} {'ceil':>6} {'of ceil':>7}")
+    for w, by_kind in summary.items():
+        for kind, r in by_kind.items():
+            cold = f"{r['cold_ttft_median']:7.2f}" if r["cold_ttft_median"] is not None else " " * 7
+            print(
+                f"{w:<13} {kind:<13} {r['ttft_median']:7.2f} {r['ttft_p95']:7.2f} "
+                f"{r['warm_ttft_median']:7.2f} {cold} {r['completion_tokens_per_s']:6.1f} "
+                f"{r['reuse']:6.2f} {r['ceiling']:6.2f} {r['reuse_of_ceiling']:7.2f}"
+            )
+        if "peer" in by_kind and "ours" in by_kind:
+            o, p = by_kind["ours"], by_kind["peer"]
+            ratio = o["warm_ttft_median"] / p["warm_ttft_median"]
+            line = f"{'':<13} ours/peer     warm TTFT {ratio:.2f}x"
+            if o["cold_ttft_median"] and p["cold_ttft_median"]:
+                line += f", cold TTFT {o['cold_ttft_median'] / p['cold_ttft_median']:.2f}x"
+            if p["reuse"]:
+                line += f", reuse {o['reuse'] / p['reuse']:.2f}x"
+            print(line)
+    if "5-unique" in summary and "ours-nocache" in summary["5-unique"]:
+        u = summary["5-unique"]
+        cost = u["ours"]["ttft_median"] / u["ours-nocache"]["ttft_median"] - 1
+        print(f"cost of the cache with no reuse (workload 5): {cost * 100:+.1f}% TTFT")
+    print("peak RSS: " + ", ".join(f"{k} {s.peak_rss >> 20} MiB" for k, s in servers.items()))
+    print(f"greedy outputs differing from ours: {mismatches}")
+
+
+if __name__ == "__main__":
+    main()
