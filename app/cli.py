@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from signal import SIGINT, SIGTERM
 
 log = logging.getLogger("mlx_cache_server")
 
@@ -24,6 +29,26 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cache", action="store_true", default=None, help="serve uncached")
     serve.add_argument("--context-length", type=int, help="override the model's context")
     serve.add_argument("--log-level", help="debug, info, warning or error")
+    serve.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        help="require this Bearer key (repeat for several tenants)",
+    )
+    serve.add_argument("--admin-key", help="key for /v1/cache and /metrics")
+    serve.add_argument(
+        "--cors-origin",
+        dest="cors_origins",
+        action="append",
+        help="allow browser requests from this origin (repeatable, or *)",
+    )
+    serve.add_argument("--max-body-bytes", help="largest request body, e.g. 8MiB")
+    serve.add_argument("--max-messages", type=int, help="most messages in one chat request")
+    serve.add_argument("--max-queue", type=int, help="waiting requests before a 429")
+    serve.add_argument("--request-timeout", type=float, help="seconds a generation may take")
+    serve.add_argument(
+        "--shutdown-grace", type=float, help="seconds running requests get to finish on SIGTERM"
+    )
     imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX folder")
     imp.add_argument("gguf", type=Path, help="the .gguf file")
     imp.add_argument("out", type=Path, help="the folder to write")
@@ -75,7 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .blas import describe as describe_blas
-    from .server import build_engine, create_app, limits_of, weights_dtype
+    from .server import build_engine, create_app, weights_dtype
     from .settings import describe_size, load_settings
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -119,12 +144,44 @@ def serve(args: argparse.Namespace) -> int:
         )
     engine.start()
     try:
-        uvicorn.run(
-            create_app(engine, limits_of(settings)),
+        # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
+        # then cancels them (which cancels their generations); the engine stops after.
+        config = uvicorn.Config(
+            create_app(engine, settings=settings),
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level,
+            timeout_graceful_shutdown=settings.shutdown_grace,
         )
+        _graceful_server_class()(config).run()
     finally:
         engine.stop()
-    return 0
+    log.info("stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: MLX's worker threads can abort the process while
+    # C++ statics are destroyed, turning a clean stop into a crash status.
+    os._exit(0)
+
+
+def _graceful_server_class() -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's shutdown on SIGINT/SIGTERM, ending in a normal exit (status 0).
+
+        uvicorn re-raises the signal once it has shut down, which would kill the
+        process before the engine is stopped and make a clean stop look like a crash.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {s: signal.signal(s, self.handle_exit) for s in (SIGINT, SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer

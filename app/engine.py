@@ -74,6 +74,8 @@ class Finished:
 @dataclass
 class Failed:
     message: str
+    status: int = 500
+    type: str = "server_error"
 
 
 Event = Started | Delta | Finished | Failed
@@ -94,6 +96,7 @@ class Request:
     tokens: list[int]
     params: SamplingParams
     emit: Callable[[Event], None]
+    cache_key: Any = None  # the prompt-cache model key: this model, in this tenant's namespace
     cancelled: bool = False
     uid: int = -1
     generated: int = 0
@@ -127,6 +130,7 @@ class Engine:
         self.cache = cache
         self.context_length = context_length
         self.min_shared_prefix = min_shared_prefix
+        self.completion_batch_size = completion_batch_size
         args = getattr(model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
         self._batch_args = {
@@ -139,6 +143,7 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.running = 0  # requests admitted and not finished (read by /health)
+        self.in_flight = 0  # streams open on the event loop: submitted and not yet ended
         self.stats = EngineStats()
 
     # ---------------------------------------------------------- lifecycle
@@ -162,12 +167,24 @@ class Engine:
 
     # ------------------------------------------------------------ clients
 
-    def submit(self, tokens: list[int], params: SamplingParams, emit: Callable) -> Request:
-        request = Request(list(tokens), params, emit)
+    def cache_key(self, namespace: str | None = None) -> Any:
+        """The prompt-cache key of this model for a tenant: tenants never share state."""
+        return self.model_id if namespace is None else (self.model_id, namespace)
+
+    def submit(
+        self,
+        tokens: list[int],
+        params: SamplingParams,
+        emit: Callable,
+        namespace: str | None = None,
+    ) -> Request:
+        request = Request(list(tokens), params, emit, self.cache_key(namespace))
         self._inbox.put(request)
         return request
 
-    async def stream(self, tokens: list[int], params: SamplingParams) -> AsyncIterator[Event]:
+    async def stream(
+        self, tokens: list[int], params: SamplingParams, namespace: str | None = None
+    ) -> AsyncIterator[Event]:
         """Events of one generation; leaving the iteration early cancels it."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -178,7 +195,8 @@ class Engine:
             except RuntimeError:  # the loop is gone; nobody is listening
                 pass
 
-        request = self.submit(tokens, params, emit)
+        request = self.submit(tokens, params, emit, namespace)
+        self.in_flight += 1
         try:
             while True:
                 event = await events.get()
@@ -186,6 +204,7 @@ class Engine:
                 if isinstance(event, Finished | Failed):
                     return
         finally:
+            self.in_flight -= 1
             request.cancel()
 
     # ------------------------------------------------------- engine thread
@@ -253,9 +272,11 @@ class Engine:
         running = [r for r in active.values() if r.prefilling]
         leaders: list[Request] = []
         for request in new:
-            _, cached = self.cache.peek(self.model_id, request.tokens)
+            _, cached = self.cache.peek(request.cache_key, request.tokens)
             leader, shared = None, 0
             for candidate in running + leaders:
+                if candidate.cache_key != request.cache_key:
+                    continue  # another tenant's prefix is not to be shared
                 n = common_prefix_length(request.tokens, candidate.tokens)
                 n = min(n, len(request.tokens) - 1, len(candidate.tokens) - 1)
                 if n - cached >= self.min_shared_prefix and n > shared:
@@ -276,7 +297,7 @@ class Engine:
         if progress.end_of_prompt:
             request.prefilling = False
         if request.followers and (progress.end_of_segment or progress.end_of_prompt):
-            self._store(gen.extract_cache([progress.uid]).get(progress.uid))
+            self._store(request, gen.extract_cache([progress.uid]).get(progress.uid))
             self._release(gen, request, active)
 
     def _release(self, gen: BatchGenerator, leader: Request, active: dict[int, Request]) -> None:
@@ -292,7 +313,7 @@ class Engine:
         tokens, p = request.tokens, request.params
         cached, n = None, 0
         if self.cache is not None:
-            found = self.cache.fetch(self.model_id, tokens)
+            found = self.cache.fetch(request.cache_key, tokens)
             cached, n = found.cache, found.n_cached
         segments = [tokens[n:]]
         if n < request.boundary < len(tokens):
@@ -326,13 +347,13 @@ class Engine:
         logprobs = [] if at_eos else self._logprobs(request, r)
         if request.stops.stopped:
             if r.finish_reason is None:
-                self._store(gen.remove([r.uid], return_prompt_caches=True).get(r.uid))
+                self._store(request, gen.remove([r.uid], return_prompt_caches=True).get(r.uid))
             else:
-                self._store((r.prompt_cache, r.all_tokens))
+                self._store(request, (r.prompt_cache, r.all_tokens))
             self._finish(request, active, Delta(text, logprobs), "stop")
         elif r.finish_reason is not None:
             text += request.stops.flush()
-            self._store((r.prompt_cache, r.all_tokens))
+            self._store(request, (r.prompt_cache, r.all_tokens))
             self._finish(request, active, Delta(text, logprobs), r.finish_reason)
         elif text or logprobs:
             request.emit(Delta(text, logprobs))
@@ -350,21 +371,21 @@ class Engine:
             return
         caches = gen.remove(gone, return_prompt_caches=True)
         for uid in gone:
-            self._store(caches.get(uid))
+            self._store(active[uid], caches.get(uid))
             request = active.pop(uid)
             request.emit(Finished("cancelled", request.generated))
             self.stats.cancelled += 1
             self._release(gen, request, active)
 
-    def _store(self, state: tuple[list[Any], list[int]] | None) -> None:
-        """Put a finished sequence's KV back into the cache for the next turn."""
+    def _store(self, request: Request, state: tuple[list[Any], list[int]] | None) -> None:
+        """Put a sequence's KV into the cache, for the next turn or for waiting requests."""
         if self.cache is None or state is None:
             return
         cache, tokens = state
         if not tokens or not cache:
             return
         try:
-            self.cache.insert(self.model_id, list(tokens), cache)
+            self.cache.insert(request.cache_key, list(tokens), cache)
         except ValueError as e:  # never worth failing a request over
             log.warning("not caching a sequence of %d tokens: %s", len(tokens), e)
 

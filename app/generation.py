@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from .engine import Delta, Engine, Failed, Finished, SamplingParams, Started, TokenLogprob
+from .engine import Delta, Engine, Event, Failed, Finished, SamplingParams, Started, TokenLogprob
 from .errors import APIError, error_body
+from .metrics import Metrics
 from .schemas import PromptTokensDetails, Usage, _Sampling
+
+request_log = logging.getLogger("mlx_cache_server.requests")
 
 
 @dataclass
@@ -20,6 +25,30 @@ class Limits:
     max_tokens_cap: int = 32768
     default_max_tokens: int = 2048
     max_stop_sequences: int = 16
+    max_messages: int = 1024
+    max_queue: int = 256
+    request_timeout: float = 600.0
+
+
+@dataclass
+class RequestContext:
+    """Who asked for what: for logs, metrics, and the tenant's cache namespace."""
+
+    id: str
+    route: str
+    model: str
+    tenant: str | None
+
+
+def check_capacity(engine: Engine, limits: Limits) -> None:
+    if engine.in_flight >= engine.completion_batch_size + limits.max_queue:
+        raise APIError(
+            429,
+            f"The server is busy: {engine.in_flight} requests are in flight. Retry shortly.",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
 
 
 def check_model(name: str, engine: Engine, aliases: set[str]) -> None:
@@ -134,9 +163,84 @@ def make_usage(prompt: int, cached: int, completion: int) -> Usage:
     )
 
 
-async def collect(engine: Engine, tokens: list[int], params: SamplingParams) -> Result:
+async def tracked(
+    engine: Engine,
+    tokens: list[int],
+    params: SamplingParams,
+    ctx: RequestContext,
+    limits: Limits,
+    metrics: Metrics,
+) -> AsyncIterator[Event]:
+    """The engine's events for one request, under its deadline, recorded when it ends.
+
+    Past the deadline the generation is cancelled and a 408 `Failed` ends the stream.
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + limits.request_timeout
+    first = started = finished = None
+    events = engine.stream(tokens, params, ctx.tenant)
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), deadline - time.perf_counter())
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                finished = Failed(
+                    f"The request took longer than {limits.request_timeout:g}s and was stopped.",
+                    status=408,
+                    type="timeout_error",
+                )
+                yield finished
+                return
+            if isinstance(event, Started):
+                started = event
+            elif isinstance(event, Delta) and first is None:
+                first = time.perf_counter()
+            elif isinstance(event, Finished | Failed):
+                finished = event
+            yield event
+    finally:
+        await events.aclose()
+        _record(ctx, metrics, t0, first, started, finished)
+
+
+def _record(ctx, metrics, t0, first, started, finished) -> None:
+    total = time.perf_counter() - t0
+    prompt = started.prompt_tokens if started else 0
+    cached = started.cached_tokens if started else 0
+    completion = finished.completion_tokens if isinstance(finished, Finished) else 0
+    if isinstance(finished, Finished):
+        reason = finished.reason
+    else:
+        reason = "error" if finished else "disconnected"
+    if first is not None:
+        metrics.ttft.labels(ctx.route).observe(first - t0)
+    metrics.latency.labels(ctx.route).observe(total)
+    metrics.prompt_tokens.inc(prompt)
+    metrics.cached_tokens.inc(cached)
+    metrics.completion_tokens.inc(completion)
+    request_log.info(
+        json.dumps(
+            {
+                "event": "request",
+                "id": ctx.id,
+                "route": ctx.route,
+                "model": ctx.model,
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "completion_tokens": completion,
+                "ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
+                "total_ms": round(total * 1000, 1),
+                "finish_reason": reason,
+            }
+        )
+    )
+
+
+async def collect(events: AsyncIterator[Event]) -> Result:
     result = Result()
-    async for event in engine.stream(tokens, params):
+    async for event in events:
         if isinstance(event, Started):
             result.prompt_tokens, result.cached_tokens = event.prompt_tokens, event.cached_tokens
         elif isinstance(event, Delta):
@@ -146,7 +250,7 @@ async def collect(engine: Engine, tokens: list[int], params: SamplingParams) -> 
             result.finish_reason = event.reason
             result.completion_tokens = event.completion_tokens
         elif isinstance(event, Failed):
-            raise APIError(500, event.message, type="server_error")
+            raise APIError(event.status, event.message, type=event.type)
     return result
 
 
@@ -165,5 +269,5 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def sse_error(message: str) -> AsyncIterator[str]:
-    yield sse(error_body(message, "server_error"))
+def sse_failure(event: Failed) -> str:
+    return sse(error_body(event.message, event.type))

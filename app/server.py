@@ -5,34 +5,102 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 
 from prompt_cache import PromptCache
 
 from . import errors
 from .engine import Engine
 from .generation import Limits
-from .routes import chat, completions, health, models
+from .metrics import Metrics
+from .middleware import BodyLimit, RequestCounter
+from .routes import cache, chat, completions, health, metrics, models
+from .schemas import ErrorResponse
 from .settings import Settings
 
 log = logging.getLogger("mlx_cache_server")
 
 
-def create_app(engine: Engine, limits: Limits | None = None) -> FastAPI:
+def create_app(
+    engine: Engine, limits: Limits | None = None, settings: Settings | None = None
+) -> FastAPI:
+    settings = settings or Settings()
     app = FastAPI(
         title="mlx-cache-server",
         summary="OpenAI-compatible MLX server with a shared prefix-sharing prompt cache",
         version="0.1.0",
     )
     app.state.engine = engine
-    app.state.limits = limits or Limits()
+    app.state.limits = limits or limits_of(settings)
     app.state.started = int(time.time())
     app.state.model_aliases = model_aliases(engine.model_id)
+    app.state.api_keys = list(settings.api_keys)
+    app.state.admin_key = settings.admin_key
+    app.state.metrics = Metrics(engine)
     errors.install(app)
-    for module in (chat, completions, models, health):
+    for module in (chat, completions, models, health, cache, metrics):
         app.include_router(module.router)
+    app.openapi = lambda: _openapi(app)
+    if settings.cors_origins:
+        # Browsers' chat UIs; credentials stay off: API keys travel in a header.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_credentials=False,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)
     return app
+
+
+_ERROR_CODES = {
+    "400": "Invalid request",
+    "401": "Missing or wrong API key",
+    "404": "Unknown model",
+    "408": "Generation took longer than the request timeout",
+    "413": "Request body too large",
+    "429": "Too many requests waiting; retry after the Retry-After header",
+}
+_GENERATION = ("/v1/chat/completions", "/v1/completions")
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the errors this server really returns (OpenAI's shape, no 422)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title, version=app.version, summary=app.summary, routes=app.routes
+    )
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            if path == "/health":
+                responses["503"] = {"description": "The engine is not running"}
+                continue
+            codes = ["400", "401", "413"]
+            if path in _GENERATION:
+                codes += ["404", "408", "429"]
+                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            elif "{" in path or path == "/v1/cache":
+                codes.append("404")
+            for code in codes:
+                responses[code] = {"description": _ERROR_CODES[code], "content": error}
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(error_schema.pop("$defs", {}))
+    components["ErrorResponse"] = error_schema
+    app.openapi_schema = schema
+    return schema
 
 
 def model_aliases(model_id: str) -> set[str]:
@@ -62,7 +130,11 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
 
 def limits_of(settings: Settings) -> Limits:
     return Limits(
-        max_tokens_cap=settings.max_tokens_cap, default_max_tokens=settings.default_max_tokens
+        max_tokens_cap=settings.max_tokens_cap,
+        default_max_tokens=settings.default_max_tokens,
+        max_messages=settings.max_messages,
+        max_queue=settings.max_queue,
+        request_timeout=settings.request_timeout,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,15 @@ class Settings:
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
     log_level: str = "info"
+    # Protection
+    api_keys: list[str] = field(default_factory=list)  # none: no authentication
+    admin_key: str | None = None  # for /v1/cache and /metrics; none: the API keys' rule
+    cors_origins: list[str] = field(default_factory=list)  # none: no CORS headers
+    max_body_bytes: int = 8 * 1024**2
+    max_messages: int = 1024
+    max_queue: int = 256  # requests waiting beyond the decode batch; more get a 429
+    request_timeout: float = 600.0
+    shutdown_grace: float = 30.0
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -53,9 +62,14 @@ def parse_size(text: str | int) -> int:
 def _coerce(name: str, value: Any) -> Any:
     if value is None:
         return None
-    if name == "cache_max_bytes":
+    if name in ("cache_max_bytes", "max_body_bytes"):
         return parse_size(value)
     kind = {f.name: f.type for f in fields(Settings)}[name]
+    if kind.startswith("list"):
+        items = value.split(",") if isinstance(value, str) else list(value)
+        return [str(v).strip() for v in items if str(v).strip()]
+    if kind == "float":
+        return float(value)
     if "int" in kind and "str" not in kind:
         return int(value)
     if kind == "bool":

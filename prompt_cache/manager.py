@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from . import layers
@@ -81,8 +81,8 @@ class CacheStats:
 @dataclass(eq=False)
 class _Tree:
     layout: Layout
+    stats: CacheStats  # the model's counters, which outlive its tree (see clear)
     root: Node = field(default_factory=lambda: Node(edge=b""))
-    stats: CacheStats = field(default_factory=CacheStats)
     version: int = 0  # bumped by every change to the tree's shape
 
 
@@ -117,6 +117,7 @@ class PromptCache:
         self.max_bytes = _NO_LIMIT if max_bytes is None else max_bytes
         self._lock = threading.Lock()
         self._trees: dict[Hashable, _Tree] = {}
+        self._stats: dict[Hashable, CacheStats] = {}
         self._lru: LRUOrder[Node, _Tree] = LRUOrder()
         self._nbytes = 0
 
@@ -132,16 +133,19 @@ class PromptCache:
     def stats(self, model: Hashable | None = None) -> CacheStats:
         """Counters for one model, or summed over all models."""
         with self._lock:
-            if model is None:
-                trees = list(self._trees.values())
-            else:
-                trees = [self._trees[model]] if model in self._trees else []
             total = CacheStats()
-            for tree in trees:
-                total += tree.stats
+            for key, stats in self._stats.items():
+                if model is None or key == model:
+                    total += stats
             return total
 
+    def stats_by_model(self) -> dict[Hashable, CacheStats]:
+        """A copy of every model's counters, including models asked for but never stored."""
+        with self._lock:
+            return {key: replace(stats) for key, stats in self._stats.items()}
+
     def models(self) -> list[Hashable]:
+        """Models with cached state."""
         with self._lock:
             return list(self._trees)
 
@@ -151,14 +155,13 @@ class PromptCache:
         """The best reusable state for `tokens`; the returned cache is the caller's."""
         key = _key(tokens)
         with self._lock:
+            stats = self._stats.setdefault(model, CacheStats())
+            stats.lookups += 1
+            stats.tokens_asked += len(key) // TOKEN
             tree = self._trees.get(model)
-            if tree is None:
-                return Fetched(None, 0, "miss")
-            tree.stats.lookups += 1
-            tree.stats.tokens_asked += len(key) // TOKEN
-            plan = self._plan(tree, key)
+            plan = self._plan(tree, key) if tree is not None else None
             if plan is None:
-                tree.stats.misses += 1
+                stats.misses += 1
                 return Fetched(None, 0, "miss")
             setattr(tree.stats, plan.kind, getattr(tree.stats, plan.kind) + 1)
             tree.stats.tokens_reused += plan.n
@@ -210,7 +213,8 @@ class PromptCache:
         with self._lock:
             tree = self._trees.get(model)
             if tree is None:
-                tree = self._trees[model] = _Tree(layout)
+                stats = self._stats.setdefault(model, CacheStats())
+                tree = self._trees[model] = _Tree(layout, stats)
             elif tree.layout != layout:
                 raise ValueError(
                     f"model {model!r} is cached with layers {tree.layout.kinds}, "

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import uvicorn
 
 from app.engine import Engine
-from app.generation import Limits
 from app.server import build_engine, create_app
 from app.settings import Settings
 
@@ -23,13 +22,12 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine: Engine, limits: Limits | None = None) -> None:
+    def __init__(self, engine: Engine, settings: Settings | None = None) -> None:
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(engine, limits), host="127.0.0.1", port=self.port, log_level="warning"
-        )
+        self.app = create_app(engine, settings=settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
@@ -51,7 +49,8 @@ class LiveServer:
 
 @contextmanager
 def serving(model_dir: str, **settings) -> Iterator[LiveServer]:
-    server = LiveServer(build_engine(Settings(**settings), model_dir)).start()
+    config = Settings(**settings)
+    server = LiveServer(build_engine(config, model_dir), config).start()
     try:
         yield server
     finally:

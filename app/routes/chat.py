@@ -8,11 +8,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..auth import Tenant
 from ..deps import EngineDep
-from ..engine import Delta, Engine, Failed, Finished, SamplingParams, Started, TokenLogprob
+from ..engine import Delta, Engine, Event, Failed, Finished, Started, TokenLogprob
 from ..errors import APIError
 from ..generation import (
     SSE_DONE,
+    RequestContext,
+    check_capacity,
     check_model,
     collect,
     make_usage,
@@ -20,6 +23,8 @@ from ..generation import (
     now,
     sampling_params,
     sse,
+    sse_failure,
+    tracked,
 )
 from ..schemas import (
     ChatChoice,
@@ -98,9 +103,18 @@ def _logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:
     responses=ERRORS,
     summary="Create a chat completion",
 )
-async def create_chat_completion(req: ChatCompletionRequest, request: Request, engine: EngineDep):
+async def create_chat_completion(
+    req: ChatCompletionRequest, request: Request, engine: EngineDep, tenant: Tenant
+):
     state = request.app.state
     check_model(req.model, engine, state.model_aliases)
+    if len(req.messages) > state.limits.max_messages:
+        raise APIError(
+            400,
+            f"Too many messages: {len(req.messages)}; this server accepts at most "
+            f"{state.limits.max_messages}.",
+            param="messages",
+        )
     tokens = render(engine, req)
     want_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
@@ -114,15 +128,19 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, e
         limits=state.limits,
         prompt_param="messages",
     )
+    check_capacity(engine, state.limits)
     cid, created = new_id("chatcmpl"), now()
+    ctx = RequestContext(cid, "/v1/chat/completions", req.model, tenant)
+    events = tracked(engine, tokens, params, ctx, state.limits, state.metrics)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
+        logprobs = params.logprobs is not None
         return StreamingResponse(
-            _stream(engine, tokens, params, cid, created, req.model, usage),
+            _stream(events, cid, created, req.model, usage, logprobs),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    result = await collect(engine, tokens, params)
+    result = await collect(events)
     return ChatCompletion(
         id=cid,
         created=created,
@@ -140,13 +158,12 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, e
 
 
 async def _stream(
-    engine: Engine,
-    tokens: list[int],
-    params: SamplingParams,
+    events: AsyncIterator[Event],
     cid: str,
     created: int,
     model: str,
     include_usage: bool,
+    logprobs: bool,
 ) -> AsyncIterator[str]:
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 
@@ -162,12 +179,12 @@ async def _stream(
         return sse(payload)
 
     prompt = cached = 0
-    async for event in engine.stream(tokens, params):
+    async for event in events:
         if isinstance(event, Started):
             prompt, cached = event.prompt_tokens, event.cached_tokens
             yield chunk({"role": "assistant", "content": ""})
         elif isinstance(event, Delta):
-            lp = _logprobs_out(event.logprobs).model_dump() if params.logprobs is not None else None
+            lp = _logprobs_out(event.logprobs).model_dump() if logprobs else None
             yield chunk({"content": event.text}, logprobs=lp)
         elif isinstance(event, Finished):
             yield chunk({}, finish=event.reason)
@@ -176,5 +193,5 @@ async def _stream(
                 yield sse({**base, "choices": [], "usage": usage.model_dump()})
             yield SSE_DONE
         elif isinstance(event, Failed):
-            yield sse({"error": {"message": event.message, "type": "server_error"}})
+            yield sse_failure(event)
             yield SSE_DONE

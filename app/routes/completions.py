@@ -7,11 +7,14 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..auth import Tenant
 from ..deps import EngineDep
-from ..engine import Delta, Engine, Failed, Finished, SamplingParams, Started, TokenLogprob
+from ..engine import Delta, Engine, Event, Failed, Finished, Started, TokenLogprob
 from ..errors import APIError
 from ..generation import (
     SSE_DONE,
+    RequestContext,
+    check_capacity,
     check_model,
     collect,
     make_usage,
@@ -19,6 +22,8 @@ from ..generation import (
     now,
     sampling_params,
     sse,
+    sse_failure,
+    tracked,
 )
 from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .chat import ERRORS
@@ -66,7 +71,9 @@ def _logprobs(items: list[TokenLogprob], start: int) -> CompletionLogprobs:
 @router.post(
     "/v1/completions", response_model=Completion, responses=ERRORS, summary="Create a completion"
 )
-async def create_completion(req: CompletionRequest, request: Request, engine: EngineDep):
+async def create_completion(
+    req: CompletionRequest, request: Request, engine: EngineDep, tenant: Tenant
+):
     state = request.app.state
     check_model(req.model, engine, state.model_aliases)
     tokens, text = prompt_tokens(engine, req)
@@ -79,16 +86,19 @@ async def create_completion(req: CompletionRequest, request: Request, engine: En
         limits=state.limits,
         prompt_param="prompt",
     )
+    check_capacity(engine, state.limits)
     cid, created = new_id("cmpl"), now()
+    ctx = RequestContext(cid, "/v1/completions", req.model, tenant)
+    events = tracked(engine, tokens, params, ctx, state.limits, state.metrics)
     echo = text if req.echo else ""
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _stream(engine, tokens, params, cid, created, req.model, echo, usage),
+            _stream(events, cid, created, req.model, echo, usage, req.logprobs is not None),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    result = await collect(engine, tokens, params)
+    result = await collect(events)
     lp = _logprobs(result.logprobs, len(echo)) if req.logprobs is not None else None
     return Completion(
         id=cid,
@@ -104,14 +114,13 @@ async def create_completion(req: CompletionRequest, request: Request, engine: En
 
 
 async def _stream(
-    engine: Engine,
-    tokens: list[int],
-    params: SamplingParams,
+    events: AsyncIterator[Event],
     cid: str,
     created: int,
     model: str,
     echo: str,
     include_usage: bool,
+    logprobs: bool,
 ) -> AsyncIterator[str]:
     base = {"id": cid, "object": "text_completion", "created": created, "model": model}
 
@@ -126,14 +135,14 @@ async def _stream(
 
     prompt = cached = 0
     offset = len(echo)
-    async for event in engine.stream(tokens, params):
+    async for event in events:
         if isinstance(event, Started):
             prompt, cached = event.prompt_tokens, event.cached_tokens
             if echo:
                 yield chunk(echo)
         elif isinstance(event, Delta):
             lp = None
-            if params.logprobs is not None:
+            if logprobs:
                 lp = _logprobs(event.logprobs, offset).model_dump()
             offset += len(event.text)
             yield chunk(event.text, logprobs=lp)
@@ -144,5 +153,5 @@ async def _stream(
                 yield sse({**base, "choices": [], "usage": usage.model_dump()})
             yield SSE_DONE
         elif isinstance(event, Failed):
-            yield sse({"error": {"message": event.message, "type": "server_error"}})
+            yield sse_failure(event)
             yield SSE_DONE

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
+from ..auth import authorize
 from ..errors import APIError
 from ..schemas import ModelCard, ModelList
 
-router = APIRouter(tags=["models"])
+router = APIRouter(tags=["models"], dependencies=[Depends(authorize)])
 
 
 @router.get("/v1/models", response_model=ModelList, summary="List the served model")

@@ -1,0 +1,65 @@
+"""API keys: `Authorization: Bearer <key>`, compared in constant time.
+
+Each key is a tenant. Its prompts are cached in a namespace of its own, so one
+tenant's prompts can never be reused by, nor timed by, another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from .errors import APIError
+
+
+def tenant_of(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(token: str | None, keys: list[str]) -> bool:
+    # Every key is compared, matched or not, so timing tells nothing about which.
+    given = (token or "").encode()
+    return any([hmac.compare_digest(given, k.encode()) for k in keys]) and token is not None
+
+
+def authorize(request: Request) -> str | None:
+    """The caller's tenant (None when the server has no keys)."""
+    keys: list[str] = request.app.state.api_keys
+    if not keys:
+        return None
+    token = _bearer(request)
+    if not _matches(token, keys):
+        raise APIError(
+            401,
+            "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return tenant_of(token)
+
+
+def authorize_admin(request: Request) -> None:
+    admin: str | None = request.app.state.admin_key
+    if admin is None:
+        authorize(request)
+        return
+    if not _matches(_bearer(request), [admin]):
+        raise APIError(
+            401,
+            "This route needs the admin key. Send it as 'Authorization: Bearer <admin key>'.",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+Tenant = Annotated[str | None, Depends(authorize)]
+Admin = Depends(authorize_admin)

@@ -1,0 +1,101 @@
+"""GET and DELETE /v1/cache: the prompt cache, per model (admin)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from ..auth import Admin
+from ..deps import EngineDep
+from ..errors import APIError
+
+router = APIRouter(tags=["cache"], dependencies=[Admin])
+
+
+class Hits(BaseModel):
+    exact: int
+    shorter: int
+    longer: int
+
+
+class ModelCacheStats(BaseModel):
+    model: str
+    namespace: str | None
+    sequences: int
+    bytes: int
+    lookups: int
+    hits: Hits
+    misses: int
+    tokens_asked: int
+    tokens_reused: int
+    reuse: float
+    inserts: int
+    rejected: int
+    evictions: int
+
+
+class CacheReport(BaseModel):
+    enabled: bool
+    max_sequences: int | None = None
+    max_bytes: int | None = None
+    sequences: int = 0
+    bytes: int = 0
+    models: list[ModelCacheStats] = []
+
+
+class Cleared(BaseModel):
+    cleared: int  # model keys (a model in each tenant's namespace) flushed
+
+
+def _split(key: Any) -> tuple[str, str | None]:
+    return (str(key[0]), str(key[1])) if isinstance(key, tuple) else (str(key), None)
+
+
+@router.get("/v1/cache", response_model=CacheReport, summary="Prompt cache statistics")
+async def cache_stats(engine: EngineDep) -> CacheReport:
+    cache = engine.cache
+    if cache is None:
+        return CacheReport(enabled=False)
+    models = []
+    for key, s in cache.stats_by_model().items():
+        model, namespace = _split(key)
+        models.append(
+            ModelCacheStats(
+                model=model,
+                namespace=namespace,
+                sequences=s.sequences,
+                bytes=s.bytes,
+                lookups=s.lookups,
+                hits=Hits(exact=s.exact, shorter=s.shorter, longer=s.longer),
+                misses=s.misses,
+                tokens_asked=s.tokens_asked,
+                tokens_reused=s.tokens_reused,
+                reuse=s.reuse,
+                inserts=s.inserts,
+                rejected=s.rejected,
+                evictions=s.evictions,
+            )
+        )
+    return CacheReport(
+        enabled=True,
+        max_sequences=cache.max_sequences,
+        max_bytes=cache.max_bytes,
+        sequences=len(cache),
+        bytes=cache.nbytes,
+        models=models,
+    )
+
+
+@router.delete("/v1/cache", response_model=Cleared, summary="Flush the prompt cache")
+async def cache_flush(engine: EngineDep, request: Request, model: str | None = None) -> Cleared:
+    cache = engine.cache
+    if cache is None:
+        return Cleared(cleared=0)
+    if model is not None and model not in request.app.state.model_aliases:
+        raise APIError(404, f"The model '{model}' is not served here.", param="model")
+    keys = cache.models()  # every tenant's namespace of the one served model
+    for key in keys:
+        cache.clear(key)
+    return Cleared(cleared=len(keys))

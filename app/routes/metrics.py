@@ -1,0 +1,15 @@
+"""GET /metrics, in Prometheus' text format."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..auth import Admin
+
+router = APIRouter(tags=["metrics"], dependencies=[Admin])
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
