@@ -223,12 +223,15 @@ class Engine:
                     continue
                 self._drop_cancelled(gen, active)
                 if not active:
+                    mx.clear_cache()
                     continue
                 prefills, responses = gen.next()
                 for progress in prefills:
                     self._on_prefill(gen, progress, active)
                 for response in responses:
                     self._on_token(gen, response, active)
+                if not active:  # idle now: hand MLX's freed buffers back, not keep them pooled
+                    mx.clear_cache()
             except Exception as e:  # keep serving: fail what was running, start afresh
                 log.exception("generation failed")
                 everyone = [x for r in active.values() for x in (r, *r.followers)]

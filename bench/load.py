@@ -1,0 +1,254 @@
+"""Load test: many concurrent streaming clients, random disconnects and bad requests mixed in.
+
+Starts our server (default model unless --model) on a free loopback port and
+runs N async clients for a bounded time. Each client loops: a streaming chat
+turn (most of the time), a stream it drops after a few chunks, or a bad
+request. A monitor polls /v1/cache and the server's RSS every second.
+Afterwards: the server must still answer, the cache must have stayed within
+its budget, every request that stayed connected must have got its whole
+answer, and no response may be a 5xx.
+
+    python bench/load.py [--clients 32] [--seconds 180] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from app.default_model import NAME, default_model_dir
+
+RESULTS = Path(__file__).parent / "results"
+SYSTEM = "You are a helpful assistant. Keep answers short and friendly. " * 6
+BAD = [
+    b'{"model": "m", "messages": [',
+    json.dumps({"model": NAME, "messages": []}).encode(),
+    json.dumps({"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+    json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+    json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}], "n": 3}).encode(),
+    json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}
+    ).encode(),
+]
+
+
+@dataclass
+class Tally:
+    completed: int = 0
+    lost: int = 0  # stayed connected but got no complete answer
+    dropped: int = 0  # disconnected on purpose
+    bad_4xx: int = 0
+    bad_not_4xx: int = 0
+    busy_429: int = 0
+    server_5xx: int = 0
+    ttft: list[float] = field(default_factory=list)
+    cache_over_budget: int = 0
+    cache_bytes_max: int = 0
+    rss_samples: list[int] = field(default_factory=list)
+
+
+def rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+async def chat_turn(client: httpx.AsyncClient, tally: Tally, history: list, drop: bool) -> None:
+    body = {"model": NAME, "messages": history, "max_tokens": 24, "temperature": 0,
+            "stream": True}  # fmt: skip
+    t0 = time.perf_counter()
+    text, done, finish, first = [], False, None, None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code == 429:
+            tally.busy_429 += 1
+            return
+        if r.status_code >= 500:
+            tally.server_5xx += 1
+            return
+        if r.status_code != 200:
+            tally.lost += 1
+            return
+        n = 0
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            n += 1
+            if drop and n >= random.randint(2, 6):
+                tally.dropped += 1
+                return  # leaving the block closes the connection mid-stream
+            if line == "data: [DONE]":
+                done = True
+                break
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                break
+            choice = payload["choices"][0] if payload["choices"] else None
+            if choice and choice["delta"].get("content"):
+                first = first or time.perf_counter()
+                text.append(choice["delta"]["content"])
+            if choice and choice["finish_reason"]:
+                finish = choice["finish_reason"]
+    if done and finish in ("stop", "length"):
+        tally.completed += 1
+        if first:
+            tally.ttft.append(first - t0)
+        history.append({"role": "assistant", "content": "".join(text)})
+    else:
+        tally.lost += 1
+
+
+async def bad_request(client: httpx.AsyncClient, tally: Tally) -> None:
+    r = await client.post(
+        "/v1/chat/completions",
+        content=random.choice(BAD),
+        headers={"content-type": "application/json"},
+    )
+    if 400 <= r.status_code < 500:
+        tally.bad_4xx += 1
+    else:
+        tally.bad_not_4xx += 1
+        tally.server_5xx += r.status_code >= 500
+
+
+async def user(client: httpx.AsyncClient, tally: Tally, deadline: float, seed: int) -> None:
+    rng = random.Random(seed)
+    history = [{"role": "system", "content": SYSTEM}]
+    turn = 0
+    while time.monotonic() < deadline:
+        roll = rng.random()
+        try:
+            if roll < 0.15:
+                await bad_request(client, tally)
+                continue
+            if len(history) > 9:  # start a new conversation now and then
+                history = [{"role": "system", "content": SYSTEM}]
+            history.append({"role": "user", "content": f"User {seed} asks question {turn}."})
+            turn += 1
+            await chat_turn(client, tally, history, drop=roll > 0.85)
+            if history[-1]["role"] == "user":
+                history.pop()
+        except httpx.HTTPError:
+            tally.lost += 1
+
+
+async def monitor(client: httpx.AsyncClient, tally: Tally, pid: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        report = (await client.get("/v1/cache")).json()
+        tally.cache_bytes_max = max(tally.cache_bytes_max, report["bytes"])
+        tally.cache_over_budget += report["bytes"] > report["max_bytes"]
+        tally.rss_samples.append(rss(pid))
+        await asyncio.sleep(1)
+
+
+async def run(url: str, pid: int, clients: int, seconds: float) -> Tally:
+    tally = Tally()
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        deadline = time.monotonic() + seconds
+        await asyncio.gather(
+            monitor(client, tally, pid, deadline),
+            *(user(client, tally, deadline, seed) for seed in range(clients)),
+        )
+    return tally
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=180)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--cache-max-bytes", default="256MiB")
+    args = ap.parse_args()
+    model = args.model or str(default_model_dir())
+    port = free_port()
+    cmd = [sys.executable, "-m", "app", "serve", "--model", model, "--port", str(port),
+           "--served-model-name", NAME, "--cache-max-bytes", args.cache_max_bytes,
+           "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        ask(url, "hi").raise_for_status()
+        baseline = rss(proc.pid)
+        tally = asyncio.run(run(url, proc.pid, args.clients, args.seconds))
+        time.sleep(3)  # let cancelled generations wind down
+        after = rss(proc.pid)
+        healthy = httpx.get(url + "/health").json()
+        final = ask(url, "still ok?")
+        cache = httpx.get(url + "/v1/cache").json()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    ttft = sorted(tally.ttft)
+    report = {
+        "clients": args.clients,
+        "seconds": args.seconds,
+        **{k: v for k, v in asdict(tally).items() if k not in ("ttft", "rss_samples")},
+        "ttft_median_s": ttft[len(ttft) // 2] if ttft else None,
+        "rss_baseline_mib": baseline >> 20,
+        "rss_peak_mib": max(tally.rss_samples or [0]) >> 20,
+        "rss_after_mib": after >> 20,
+        "cache_bytes_after": cache["bytes"],
+        "cache_budget": cache["max_bytes"],
+        "healthy_after": healthy["status"] == "ok" and final.status_code == 200,
+        "running_after": healthy["running"],
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "load.json").write_text(json.dumps(report, indent=2))
+    for key, value in report.items():
+        print(f"{key:>20}: {value}")
+    ok = (
+        report["healthy_after"]
+        and tally.lost == 0
+        and tally.server_5xx == 0
+        and tally.bad_not_4xx == 0
+        and tally.cache_over_budget == 0
+    )
+    print("PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
+
+
+def ask(url: str, text: str) -> httpx.Response:
+    body = {"model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not start")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
