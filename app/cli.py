@@ -160,8 +160,9 @@ def serve(args: argparse.Namespace) -> int:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip interpreter teardown: MLX's worker threads can abort the process while
-    # C++ statics are destroyed, turning a clean stop into a crash status.
+    # Skip interpreter teardown: MLX's stream threads can abort the process while
+    # C++ statics are destroyed (seen with mlx 0.32 on Linux), turning a clean stop
+    # into a crash status.
     os._exit(0)
 
 

@@ -11,8 +11,10 @@ prompt plus what it generated goes back into the cache for the next turn.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -108,6 +110,31 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+def _release_memory() -> None:
+    """Idle now: hand freed memory back to the system instead of keeping it pooled.
+
+    MLX pools freed buffers, and glibc keeps freed heap pages; both would hold a
+    busy hour's peak for as long as the server lives.
+    """
+    mx.clear_cache()
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
 
 
 class Engine:
@@ -223,15 +250,15 @@ class Engine:
                     continue
                 self._drop_cancelled(gen, active)
                 if not active:
-                    mx.clear_cache()
+                    _release_memory()
                     continue
                 prefills, responses = gen.next()
                 for progress in prefills:
                     self._on_prefill(gen, progress, active)
                 for response in responses:
                     self._on_token(gen, response, active)
-                if not active:  # idle now: hand MLX's freed buffers back, not keep them pooled
-                    mx.clear_cache()
+                if not active:
+                    _release_memory()
             except Exception as e:  # keep serving: fail what was running, start afresh
                 log.exception("generation failed")
                 everyone = [x for r in active.values() for x in (r, *r.followers)]
@@ -248,6 +275,7 @@ class Engine:
             request.emit(Failed("the server is shutting down"))
         if gen is not None:
             gen.close()
+        mx.synchronize()  # finish the cache's asynchronous copies before the thread ends
 
     def _take(self, block: bool) -> list[Request]:
         taken = []
@@ -348,16 +376,18 @@ class Engine:
             request.detok.finalize()
         text = request.stops.feed(request.detok.last_segment)
         logprobs = [] if at_eos else self._logprobs(request, r)
+        # The client hears the end first; the cache insert follows on this same thread,
+        # so no later request can be admitted before it is done.
         if request.stops.stopped:
+            state = (r.prompt_cache, r.all_tokens)
             if r.finish_reason is None:
-                self._store(request, gen.remove([r.uid], return_prompt_caches=True).get(r.uid))
-            else:
-                self._store(request, (r.prompt_cache, r.all_tokens))
+                state = gen.remove([r.uid], return_prompt_caches=True).get(r.uid)
             self._finish(request, active, Delta(text, logprobs), "stop")
+            self._store(request, state)
         elif r.finish_reason is not None:
             text += request.stops.flush()
-            self._store(request, (r.prompt_cache, r.all_tokens))
             self._finish(request, active, Delta(text, logprobs), r.finish_reason)
+            self._store(request, (r.prompt_cache, r.all_tokens))
         elif text or logprobs:
             request.emit(Delta(text, logprobs))
 

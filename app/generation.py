@@ -7,8 +7,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import StreamingResponse
 
 from .engine import Delta, Engine, Event, Failed, Finished, SamplingParams, Started, TokenLogprob
 from .errors import APIError, error_body
@@ -269,5 +272,54 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        body,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
 def sse_failure(event: Failed) -> str:
     return sse(error_body(event.message, event.type))
+
+
+async def sse_stream(
+    events: AsyncIterator[Event],
+    base: dict[str, Any],
+    include_usage: bool,
+    *,
+    start: Callable[[], dict | None],
+    delta: Callable[[Delta], dict],
+    finish: Callable[[str], dict],
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format; `start`, `delta` and `finish` make choices.
+
+    With include_usage every chunk carries "usage": null and a last chunk with no
+    choices carries the usage; `data: [DONE]` ends the stream, errors included.
+    """
+
+    def chunk(choice: dict) -> str:
+        payload = {**base, "choices": [{"index": 0, **choice}]}
+        if include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    prompt = cached = 0
+    async for event in events:
+        if isinstance(event, Started):
+            prompt, cached = event.prompt_tokens, event.cached_tokens
+            first = start()
+            if first is not None:
+                yield chunk(first)
+        elif isinstance(event, Delta):
+            yield chunk(delta(event))
+        elif isinstance(event, Finished):
+            yield chunk(finish(event.reason))
+            if include_usage:
+                usage = make_usage(prompt, cached, event.completion_tokens)
+                yield sse({**base, "choices": [], "usage": usage.model_dump()})
+            yield SSE_DONE
+        elif isinstance(event, Failed):
+            yield sse_failure(event)
+            yield SSE_DONE

@@ -50,6 +50,10 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)

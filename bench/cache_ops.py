@@ -7,6 +7,8 @@ caches get the same real mlx-lm KVCache objects. Timed per operation, medians:
             fetch_nearest_cache does before it copies, PromptTrie.search then
             .get of the entry it picked; ours: PromptCache.peek)
   search  - the peer's PromptTrie.search alone, against the same peek
+  index insert - the index alone, no KV: the peer's PromptTrie.add against our
+            radix tree (pack, walk, split an edge if needed, add a node)
   fetch   - lookup plus building the cache the caller owns (forced with mx.eval)
 Bytes held: each cache's own count, and the MLX memory actually held once the
 caller's arrays are gone.
@@ -25,10 +27,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, PromptTrie
 from mlx_lm.models.cache import LRUPromptCache as PeerCache
 
 from prompt_cache import PromptCache
+from prompt_cache.radix import TOKEN, Node, add_child, pack, split, walk
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 2, 2, 32, mx.float16
 TAIL = 512  # tokens of each conversation's own
@@ -121,6 +124,30 @@ def run_one(kind: str, length: int, n_convs: int, shared: list[mx.array]) -> dic
     }
 
 
+def index_insert(kind: str, length: int, n_convs: int) -> float:
+    """Median ms to add one conversation's tokens to an index holding the earlier ones."""
+    n_shared = length - TAIL
+    times = []
+    if kind == "peer":
+        trie = PromptTrie()
+        for i in range(n_convs):
+            times.append(timed(trie.add, "m", tokens_of(i, n_shared, length), None)[0])
+    else:
+        root = Node(edge=b"")
+
+        def add(tokens: list[int]) -> None:
+            key = pack(tokens)
+            w = walk(root, key)
+            parent = w.nodes[-1] if w.nodes else root
+            if w.partial:
+                parent = split(parent, w.length - parent.start)
+            add_child(parent, key[w.length * TOKEN :])
+
+        for i in range(n_convs):
+            times.append(timed(add, tokens_of(i, n_shared, length))[0])
+    return statistics.median(times) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -142,11 +169,14 @@ def main() -> None:
     for length, n in configs:
         ours = run_one("ours", length, n, shared)
         peer = run_one("peer", length, n, shared)
+        ours["index_insert_ms"] = index_insert("ours", length, n)
+        peer["index_insert_ms"] = index_insert("peer", length, n)
         rows.append({"tokens": length, "conversations": n, "ours": ours, "peer": peer})
         for key in (
             "lookup_ms",
             "search_ms",
             "insert_ms",
+            "index_insert_ms",
             "fetch_ms",
             "bytes_counted",
             "bytes_held",

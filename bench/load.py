@@ -205,6 +205,8 @@ def main() -> None:
         "cache_bytes_after": cache["bytes"],
         "cache_budget": cache["max_bytes"],
         "healthy_after": healthy["status"] == "ok" and final.status_code == 200,
+        # Back near the baseline: what the cache holds, plus 15% slack for the allocator.
+        "memory_back": after <= baseline + cache["bytes"] + 0.15 * baseline,
         "running_after": healthy["running"],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -213,6 +215,7 @@ def main() -> None:
         print(f"{key:>20}: {value}")
     ok = (
         report["healthy_after"]
+        and report["memory_back"]
         and tally.lost == 0
         and tally.server_5xx == 0
         and tally.bad_not_4xx == 0

@@ -195,8 +195,12 @@ def question(conv: int, turn: int) -> str:
 class Workloads:
     """The requests of each workload; each turn's messages depend on the server's replies."""
 
-    def __init__(self, quick: bool) -> None:
+    def __init__(
+        self, quick: bool, only: set[str] | None = None, unique: int | None = None
+    ) -> None:
         self.quick = quick
+        self.only = only  # workload numbers to run; None: all
+        self.n_unique = unique or (3 if quick else 8)
         self.max_tokens = 16 if quick else 32
         self.wave = 0  # counts across workloads: the server's cache outlives each workload
 
@@ -208,39 +212,28 @@ class Workloads:
         client = AsyncOpenAI(
             base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=3600
         )
+        async with client:
+            await self._run(server, client, model)
+
+    async def _run(self, server: Server, client: AsyncOpenAI, model: str) -> None:
         q = self.quick
-        await self.chats(
-            server,
-            client,
-            model,
-            "1-sequential",
-            convs=2,
-            turns=3 if q else 6,
-            concurrent=False,
-            system_words=200 if q else 400,
-        )
-        await self.chats(
-            server,
-            client,
-            model,
-            "2-shared",
-            convs=4 if q else 16,
-            turns=2 if q else 3,
-            concurrent=True,
-            system_words=200 if q else 400,
-        )
-        await self.chats(
-            server,
-            client,
-            model,
-            "3-overflow",
-            convs=4 if q else 8,
-            turns=3 if q else 4,
-            concurrent=False,
-            system_words=200 if q else 400,
-        )
-        await self.branching(server, client, model)
-        await self.unique(server, client, model, n=3 if q else 8)
+        words = 200 if q else 400
+        chats = [
+            ("1", "1-sequential", 2, 3 if q else 6, False),
+            ("2", "2-shared", 4 if q else 16, 2 if q else 3, True),
+            ("3", "3-overflow", 4 if q else 8, 3 if q else 4, False),
+        ]
+        for number, name, convs, turns, concurrent in chats:
+            if self.wants(number):
+                await self.chats(server, client, model, name, convs=convs, turns=turns,
+                                 concurrent=concurrent, system_words=words)  # fmt: skip
+        if self.wants("4"):
+            await self.branching(server, client, model)
+        if self.wants("5"):
+            await self.unique(server, client, model, n=self.n_unique)
+
+    def wants(self, number: str) -> bool:
+        return self.only is None or number in self.only
 
     async def chats(self, server, client, model, name, *, convs, turns, concurrent, system_words):
         """Conversations turn by turn; sequential ones go round-robin across conversations."""
@@ -332,6 +325,7 @@ def summarize(servers: dict[str, Server]) -> dict:
             wall = sum(c.total for c in calls) if w != "2-shared" else None
             out[w][kind] = {
                 "requests": len(calls),
+                "turn_hits": turn_hits(calls),
                 "ttft_median": statistics.median(c.ttft for c in calls),
                 "ttft_p95": percentile([c.ttft for c in calls], 0.95),
                 "warm_ttft_median": statistics.median(warm),
@@ -344,6 +338,23 @@ def summarize(servers: dict[str, Server]) -> dict:
                 "sequential_wall_s": wall,
             }
     return out
+
+
+def turn_hits(calls: list[Call]) -> float | None:
+    """Share of follow-up turns whose previous turn's whole prompt came from the cache.
+
+    Token reuse alone hides whether a conversation's own history survived: a cache
+    that only kept the shared system prompt still reuses most tokens.
+    """
+    previous: dict[int, Call] = {}
+    hits = total = 0
+    for c in calls:
+        p = previous.get(c.conv)
+        if p is not None and c.turn == p.turn + 1:
+            total += 1
+            hits += c.cached_tokens >= p.prompt_tokens
+        previous[c.conv] = c
+    return hits / total if total else None
 
 
 def compare_outputs(servers: dict[str, Server]) -> dict[str, int]:
@@ -422,6 +433,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default=None, help="model folder (default: the embedded one)")
     ap.add_argument("--servers", default="ours,ours-nocache,peer")
+    ap.add_argument("--workloads", default=None, help="e.g. 1,2 (default: all five)")
+    ap.add_argument("--report", type=Path, default=None,
+                    help="summarize and plot a saved results JSON instead of running")  # fmt: skip
+    ap.add_argument("--unique", type=int, default=None, help="requests in workload 5")
     ap.add_argument("--cache-max-sequences", type=int, default=32)
     ap.add_argument(
         "--cache-max-bytes",
@@ -430,6 +445,9 @@ def main() -> None:
         help="byte budget for both caches (default: about a third of workload 3)",
     )
     args = ap.parse_args()
+    if args.report is not None:
+        report(args.report)
+        return
     model = args.model or str(default_model_dir())
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -447,7 +465,8 @@ def main() -> None:
     budget = args.cache_max_bytes or per_token * (700 if not args.quick else 400) * (
         3 if not args.quick else 2
     )
-    workloads = Workloads(args.quick)
+    only = set(args.workloads.split(",")) if args.workloads else None
+    workloads = Workloads(args.quick, only, args.unique)
     servers: dict[str, Server] = {}
     for kind in args.servers.split(","):
         print(f"[{kind}] starting", flush=True)
@@ -463,7 +482,7 @@ def main() -> None:
     summary = summarize(servers)
     mismatches = compare_outputs(servers)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = "quick" if args.quick else "full"
+    tag = ("quick" if args.quick else "full") + (f"_w{''.join(sorted(only))}" if only else "")
     (RESULTS / f"multiturn_{tag}.json").write_text(
         json.dumps(
             {
@@ -477,21 +496,37 @@ def main() -> None:
         )
     )
     print_table(summary, servers, mismatches, budget)
-    for f in plot(summary, servers, RESULTS):
-        print(f"wrote {f}")
+    if only is None and "peer" in servers:  # the plots compare all workloads with the peer
+        for f in plot(summary, servers, RESULTS):
+            print(f"wrote {f}")
+
+
+def report(path: Path) -> None:
+    """The table and plots of a saved run, recomputed from its requests."""
+    saved = json.loads(path.read_text())
+    servers = {}
+    for kind, calls in saved["calls"].items():
+        servers[kind] = Server(kind, 0, peak_rss=saved["peak_rss"][kind])
+        servers[kind].calls = [Call(**c) for c in calls]
+    summary = summarize(servers)
+    print_table(summary, servers, compare_outputs(servers), saved["budget_bytes"])
+    if "peer" in servers and len(summary) == 5:
+        for f in plot(summary, servers, path.parent):
+            print(f"wrote {f}")
 
 
 def print_table(summary: dict, servers: dict[str, Server], mismatches: dict, budget: int) -> None:
     print(f"\ncache budget for both: {budget / 2**20:.0f} MiB; medians in seconds")
     head = f"{'workload':<13} {'server':<13} {'TTFT':>7} {'p95':>7} {'warm':>7} {'cold':>7} "
-    print(head + f"{'tok/s':>6} {'reuse':>6} {'ceil':>6} {'of ceil':>7}")
+    print(head + f"{'tok/s':>6} {'reuse':>6} {'ceil':>6} {'of ceil':>7} {'turn hits':>9}")
     for w, by_kind in summary.items():
         for kind, r in by_kind.items():
             cold = f"{r['cold_ttft_median']:7.2f}" if r["cold_ttft_median"] is not None else " " * 7
             print(
                 f"{w:<13} {kind:<13} {r['ttft_median']:7.2f} {r['ttft_p95']:7.2f} "
                 f"{r['warm_ttft_median']:7.2f} {cold} {r['completion_tokens_per_s']:6.1f} "
-                f"{r['reuse']:6.2f} {r['ceiling']:6.2f} {r['reuse_of_ceiling']:7.2f}"
+                f"{r['reuse']:6.2f} {r['ceiling']:6.2f} {r['reuse_of_ceiling']:7.2f} "
+                + (f"{r['turn_hits']:9.2f}" if r["turn_hits"] is not None else "")
             )
         if "peer" in by_kind and "ours" in by_kind:
             o, p = by_kind["ours"], by_kind["peer"]

@@ -25,10 +25,13 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from .joined import JoinedKVCache
+
 # Per layer, the arrays of a token range, each with tokens on axis 2.
 Segment = tuple[tuple[mx.array, ...], ...]
 
-_SLICEABLE = (KVCache, QuantizedKVCache)
+# By exact type: subclasses may hold more state than these arrays.
+_SLICEABLE = (KVCache, QuantizedKVCache, JoinedKVCache)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ def layout_of(cache: list[Any]) -> Layout:
                 raise ValueError("cannot store an empty layer cache")
             if _arrays(c)[0].shape[0] != 1:
                 raise ValueError("only batch-size-1 caches can be stored")
-            kinds.append((type(c), getattr(c, "group_size", None), getattr(c, "bits", None)))
+            kind = KVCache if type(c) is JoinedKVCache else type(c)
+            kinds.append((kind, getattr(c, "group_size", None), getattr(c, "bits", None)))
         if len({c.offset for c in cache}) != 1:
             raise ValueError("layers of one cache disagree on their token count")
         return Layout(True, tuple(kinds))
@@ -62,7 +66,7 @@ def length(cache: list[Any]) -> int:
 
 
 def _arrays(layer: Any) -> tuple[mx.array, ...]:
-    if type(layer) is KVCache:
+    if type(layer) is not QuantizedKVCache:
         return (layer.keys, layer.values)
     return (*layer.keys, *layer.values)
 
@@ -112,26 +116,23 @@ def nbytes(tree: Any) -> int:
 def assemble(layout: Layout, pieces: list[tuple[Segment, int]]) -> list[Any]:
     """A fresh cache holding the first `take` tokens of each segment, in order.
 
-    One concatenation per array; a single piece is handed out as a view (new
-    array objects on the stored buffers, which callers cannot write through).
+    Nothing is copied here: KV layers are `JoinedKVCache`s (copied once, where
+    they are used), quantized ones lazy concatenations that MLX evaluates on use.
     """
     total = sum(take for _, take in pieces)
     cache = []
     for li, (cls, group_size, bits) in enumerate(layout.kinds):
-        arrays = []
-        for ai in range(len(pieces[0][0][li])):
-            parts = [seg[li][ai][..., :take, :] for seg, take in pieces]
-            arrays.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+        parts = [[seg[li][ai][..., :take, :] for seg, take in pieces]
+                 for ai in range(len(pieces[0][0][li]))]  # fmt: skip
         if cls is KVCache:
-            layer = KVCache()
-            layer.keys, layer.values = arrays
-        else:
-            layer = QuantizedKVCache(group_size=group_size, bits=bits)
-            half = len(arrays) // 2
-            layer.keys, layer.values = tuple(arrays[:half]), tuple(arrays[half:])
+            cache.append(JoinedKVCache(*parts))
+            continue
+        layer = QuantizedKVCache(group_size=group_size, bits=bits)
+        arrays = [p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in parts]
+        half = len(arrays) // 2
+        layer.keys, layer.values = tuple(arrays[:half]), tuple(arrays[half:])
         layer.offset = total
         cache.append(layer)
-    mx.async_eval(arrays_in(cache))
     return cache
 
 
@@ -145,12 +146,14 @@ def snapshot(cache: list[Any]) -> list[Any]:
     out = []
     for c in cache:
         if type(c) in _SLICEABLE and c.keys is not None:
-            layer = _fresh_views(c)
             arrays = [_own(a[..., : c.offset, :]) for a in _arrays(c)]
-            if type(c) is KVCache:
-                layer.keys, layer.values = arrays
-            else:
+            if type(c) is QuantizedKVCache:
+                layer = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
                 layer.keys, layer.values = tuple(arrays[:3]), tuple(arrays[3:])
+            else:
+                layer = KVCache()
+                layer.keys, layer.values = arrays
+            layer.offset = c.offset
             out.append(layer)
         else:
             out.append(_fresh_views(c))

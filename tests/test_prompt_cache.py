@@ -299,3 +299,27 @@ def test_lru_prompt_cache_is_a_drop_in_for_mlx_lm():
     assert len(lru) == 1 and lru.nbytes == 4 * BYTES_PER_TOKEN
     lru.trim_to(n_sequences=0)
     assert len(lru) == 0 and lru.stats_by_type()["all"]["n_bytes"] == 0
+
+
+def test_joined_cache_merges_into_a_batch_like_mlx_lm():
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = PromptCache()
+    a = SYSTEM[:40] + [1] * 10
+    b = SYSTEM[:40] + [2] * 25
+    cache.insert("m", a, kv_cache(a))
+    cache.insert("m", b, kv_cache(b))  # b's cache is now two segments: shared + own
+    joined = cache.fetch("m", b + [3]).cache
+    plain = kv_cache([7, 8, 9])
+    touched = cache.fetch("m", a + [3]).cache
+    for layer in touched:  # a caller change: the parts no longer describe it
+        layer.trim(2)
+    for i in range(len(joined)):
+        layers_in = [joined[i], plain[i], touched[i]]
+        direct = [kv_cache(b)[i], kv_cache([7, 8, 9])[i], kv_cache(a[:-2])[i]]
+        got = type(joined[i]).merge(layers_in)
+        want = BatchKVCache.merge(direct)
+        assert np.array_equal(np.array(got.keys), np.array(want.keys))
+        assert np.array_equal(np.array(got.values), np.array(want.values))
+        assert np.array_equal(np.array(got.left_padding), np.array(want.left_padding))
+        assert np.array_equal(np.array(got.offset), np.array(want.offset))

@@ -6,24 +6,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ..auth import Tenant
 from ..deps import EngineDep
-from ..engine import Delta, Engine, Event, Failed, Finished, Started, TokenLogprob
+from ..engine import Delta, Engine, Event, TokenLogprob
 from ..errors import APIError
 from ..generation import (
-    SSE_DONE,
     RequestContext,
     check_capacity,
     check_model,
     collect,
-    make_usage,
     new_id,
     now,
     sampling_params,
-    sse,
-    sse_failure,
+    sse_response,
+    sse_stream,
     tracked,
 )
 from ..schemas import (
@@ -133,13 +130,8 @@ async def create_chat_completion(
     ctx = RequestContext(cid, "/v1/chat/completions", req.model, tenant)
     events = tracked(engine, tokens, params, ctx, state.limits, state.metrics)
     if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
         logprobs = params.logprobs is not None
-        return StreamingResponse(
-            _stream(events, cid, created, req.model, usage, logprobs),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return sse_response(_stream(events, cid, created, req.model, req.include_usage, logprobs))
     result = await collect(events)
     return ChatCompletion(
         id=cid,
@@ -157,7 +149,7 @@ async def create_chat_completion(
     )
 
 
-async def _stream(
+def _stream(
     events: AsyncIterator[Event],
     cid: str,
     created: int,
@@ -167,31 +159,19 @@ async def _stream(
 ) -> AsyncIterator[str]:
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        payload = {
-            **base,
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            ],
-        }
-        if include_usage:
-            payload["usage"] = None
-        return sse(payload)
+    def delta(event: Delta) -> dict:
+        lp = _logprobs_out(event.logprobs).model_dump() if logprobs else None
+        return {"delta": {"content": event.text}, "logprobs": lp, "finish_reason": None}
 
-    prompt = cached = 0
-    async for event in events:
-        if isinstance(event, Started):
-            prompt, cached = event.prompt_tokens, event.cached_tokens
-            yield chunk({"role": "assistant", "content": ""})
-        elif isinstance(event, Delta):
-            lp = _logprobs_out(event.logprobs).model_dump() if logprobs else None
-            yield chunk({"content": event.text}, logprobs=lp)
-        elif isinstance(event, Finished):
-            yield chunk({}, finish=event.reason)
-            if include_usage:
-                usage = make_usage(prompt, cached, event.completion_tokens)
-                yield sse({**base, "choices": [], "usage": usage.model_dump()})
-            yield SSE_DONE
-        elif isinstance(event, Failed):
-            yield sse_failure(event)
-            yield SSE_DONE
+    return sse_stream(
+        events,
+        base,
+        include_usage,
+        start=lambda: {
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        },
+        delta=delta,
+        finish=lambda reason: {"delta": {}, "logprobs": None, "finish_reason": reason},
+    )

@@ -5,24 +5,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ..auth import Tenant
 from ..deps import EngineDep
-from ..engine import Delta, Engine, Event, Failed, Finished, Started, TokenLogprob
+from ..engine import Delta, Engine, Event, TokenLogprob
 from ..errors import APIError
 from ..generation import (
-    SSE_DONE,
     RequestContext,
     check_capacity,
     check_model,
     collect,
-    make_usage,
     new_id,
     now,
     sampling_params,
-    sse,
-    sse_failure,
+    sse_response,
+    sse_stream,
     tracked,
 )
 from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -92,11 +89,9 @@ async def create_completion(
     events = tracked(engine, tokens, params, ctx, state.limits, state.metrics)
     echo = text if req.echo else ""
     if req.stream:
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
-            _stream(events, cid, created, req.model, echo, usage, req.logprobs is not None),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        logprobs = req.logprobs is not None
+        return sse_response(
+            _stream(events, cid, created, req.model, echo, req.include_usage, logprobs)
         )
     result = await collect(events)
     lp = _logprobs(result.logprobs, len(echo)) if req.logprobs is not None else None
@@ -113,7 +108,7 @@ async def create_completion(
     )
 
 
-async def _stream(
+def _stream(
     events: AsyncIterator[Event],
     cid: str,
     created: int,
@@ -123,35 +118,19 @@ async def _stream(
     logprobs: bool,
 ) -> AsyncIterator[str]:
     base = {"id": cid, "object": "text_completion", "created": created, "model": model}
+    offset = len(echo)  # where the next text starts in the whole completion
 
-    def chunk(text: str, finish: str | None = None, logprobs: dict | None = None) -> str:
-        payload = {
-            **base,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        if include_usage:
-            payload["usage"] = None
-        return sse(payload)
+    def delta(event: Delta) -> dict:
+        nonlocal offset
+        lp = _logprobs(event.logprobs, offset).model_dump() if logprobs else None
+        offset += len(event.text)
+        return {"text": event.text, "logprobs": lp, "finish_reason": None}
 
-    prompt = cached = 0
-    offset = len(echo)
-    async for event in events:
-        if isinstance(event, Started):
-            prompt, cached = event.prompt_tokens, event.cached_tokens
-            if echo:
-                yield chunk(echo)
-        elif isinstance(event, Delta):
-            lp = None
-            if logprobs:
-                lp = _logprobs(event.logprobs, offset).model_dump()
-            offset += len(event.text)
-            yield chunk(event.text, logprobs=lp)
-        elif isinstance(event, Finished):
-            yield chunk("", finish=event.reason)
-            if include_usage:
-                usage = make_usage(prompt, cached, event.completion_tokens)
-                yield sse({**base, "choices": [], "usage": usage.model_dump()})
-            yield SSE_DONE
-        elif isinstance(event, Failed):
-            yield sse_failure(event)
-            yield SSE_DONE
+    return sse_stream(
+        events,
+        base,
+        include_usage,
+        start=lambda: {"text": echo, "logprobs": None, "finish_reason": None} if echo else None,
+        delta=delta,
+        finish=lambda reason: {"text": "", "logprobs": None, "finish_reason": reason},
+    )

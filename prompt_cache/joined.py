@@ -1,0 +1,66 @@
+"""`JoinedKVCache`: a KVCache assembled from stored segments, copied once, where it is used.
+
+A fetch joins the segments of a path. Concatenating them right away would copy
+every token, and mlx-lm's batching (`BatchKVCache.merge`) would then copy them
+all again into its batch buffer. Here the join is left lazy (MLX evaluates on
+use, so code that runs the cache directly pays one concatenation), and `merge`
+writes each segment straight into the batch buffer: one copy either way.
+
+Invariant: `parts` describe the cache only while the caller has not changed it
+(same `keys` object, same `offset`); otherwise `merge` reads `keys`/`values`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+class JoinedKVCache(KVCache):
+    def __init__(self, key_parts: list[mx.array], value_parts: list[mx.array]) -> None:
+        super().__init__()
+        self.parts = (key_parts, value_parts)
+        self.keys = _join(key_parts)
+        self.values = _join(value_parts)
+        self.offset = sum(k.shape[2] for k in key_parts)
+        self._joined = (self.keys, self.offset)
+
+    def _untouched(self) -> bool:
+        return self.keys is self._joined[0] and self.offset == self._joined[1]
+
+    @classmethod
+    def merge(cls, caches: list[KVCache]) -> BatchKVCache:
+        """What `BatchKVCache.merge` builds (left-padded), writing joined parts in place."""
+        lengths = [c.size() for c in caches]
+        longest = max(lengths)
+        if longest == 0:
+            return BatchKVCache([0] * len(caches))
+        padding = [longest - n for n in lengths]
+        first = next(c for c in caches if c.keys is not None)
+        heads = max(c.keys.shape[1] for c in caches if c.keys is not None)
+        keys = mx.zeros((len(caches), heads, longest, first.keys.shape[3]), first.keys.dtype)
+        values = mx.zeros((len(caches), heads, longest, first.values.shape[3]), first.keys.dtype)
+        for i, (pad, c) in enumerate(zip(padding, caches, strict=True)):
+            if c.keys is None:
+                continue
+            if isinstance(c, JoinedKVCache) and c._untouched():
+                pieces = zip(*c.parts, strict=True)
+            else:
+                pieces = [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])]
+            at = pad
+            for k, v in pieces:
+                n = k.shape[2]
+                keys[i : i + 1, :, at : at + n] = k
+                values[i : i + 1, :, at : at + n] = v
+                at += n
+        batch = BatchKVCache(padding)
+        batch.keys, batch.values = keys, values
+        batch.offset += longest
+        batch._idx = longest
+        return batch
+
+
+def _join(parts: list[mx.array]) -> mx.array:
+    # A lone part is handed out as a view: a new array object the caller cannot
+    # write through into the stored buffer.
+    return parts[0][...] if len(parts) == 1 else mx.concatenate(parts, axis=2)
