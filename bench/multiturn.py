@@ -372,6 +372,7 @@ def plot(summary: dict, servers: dict[str, Server], path: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     files = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -384,6 +385,7 @@ def plot(summary: dict, servers: dict[str, Server], path: Path) -> list[Path]:
             ]
             ax.plot(turns, med, marker="o", label=kind)
         ax.set_title(f"workload {w}: TTFT by turn (median)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("turn")
         ax.set_ylabel("seconds")
         ax.legend()
