@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from multiturn import free_port
 
 from app.default_model import NAME, default_model_dir
 
@@ -228,14 +229,6 @@ def main() -> None:
 def ask(url: str, text: str) -> httpx.Response:
     body = {"model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 8}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen) -> None:

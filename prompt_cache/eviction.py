@@ -8,7 +8,7 @@ victim is the policy; what eviction frees is the manager's business.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -21,10 +21,6 @@ class LRUOrder(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._order)
-
-    def __iter__(self) -> Iterator[K]:
-        """Oldest first."""
-        return iter(self._order)
 
     def touch(self, key: K, value: V) -> None:
         """Mark `key` as just used (adding it if new)."""

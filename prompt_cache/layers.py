@@ -91,10 +91,6 @@ def cut_segment(seg: Segment, start: int, end: int | None = None) -> Segment:
     return out
 
 
-def segment_length(seg: Segment) -> int:
-    return seg[0][0].shape[2]
-
-
 def arrays_in(tree: Any) -> list[mx.array]:
     """Every array in a segment, a cache state or a list of layer caches."""
     if isinstance(tree, mx.array):
