@@ -16,6 +16,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +151,7 @@ class Engine:
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
         min_shared_prefix: int = 32,
+        release_after: float = 2.0,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -157,6 +159,7 @@ class Engine:
         self.cache = cache
         self.context_length = context_length
         self.min_shared_prefix = min_shared_prefix
+        self.release_after = release_after  # idle seconds before pooled memory goes back
         self.completion_batch_size = completion_batch_size
         args = getattr(model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
@@ -239,6 +242,7 @@ class Engine:
     def _loop(self) -> None:
         gen: BatchGenerator | None = None
         active: dict[int, Request] = {}
+        idle_since: float | None = None  # set when the last request ended; None once released
         while not self._stopping.is_set():
             try:
                 new = self._take(block=not active)
@@ -246,11 +250,18 @@ class Engine:
                     if gen is None:
                         gen = BatchGenerator(self.model, **self._batch_args)
                     self._intake(gen, new, active)
+                if active:
+                    idle_since = None
+                elif idle_since is not None and time.monotonic() - idle_since > self.release_after:
+                    # Only after a pause: back-to-back turns would each pay about 40 ms
+                    # (135M model) to fault freshly allocated buffers back in.
+                    _release_memory()
+                    idle_since = None
                 if gen is None or not active:
                     continue
                 self._drop_cancelled(gen, active)
                 if not active:
-                    _release_memory()
+                    idle_since = time.monotonic()
                     continue
                 prefills, responses = gen.next()
                 for progress in prefills:
@@ -258,7 +269,7 @@ class Engine:
                 for response in responses:
                     self._on_token(gen, response, active)
                 if not active:
-                    _release_memory()
+                    idle_since = time.monotonic()
             except Exception as e:  # keep serving: fail what was running, start afresh
                 log.exception("generation failed")
                 everyone = [x for r in active.values() for x in (r, *r.followers)]
