@@ -60,6 +60,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Accepted for OpenAI clients that send it, and ignored: the cache matches by content,
+    # so requests share whatever prefix they share, key or not. Tenants are kept apart by
+    # API keys, not by this hint.
     prompt_cache_key: str | None = None
     tools: list[dict[str, Any]] | None = None
 
