@@ -33,9 +33,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
-from openai import AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI
 
 from app.blas import find_openblas
 from app.default_model import default_model_dir
@@ -62,6 +63,17 @@ class Call:
     completion_tokens: int = 0
     reply: str = ""
     ceiling: int = 0
+    retries: int = 0  # attempts lost to a dropped connection before this one succeeded
+
+
+class ChatShape(NamedTuple):
+    number: str
+    name: str
+    convs: int
+    turns: int
+    concurrent: bool
+    words: int  # of the system prompt they share
+    seed: int  # of the system prompt's words
 
 
 @dataclass
@@ -157,6 +169,24 @@ def stop(server: Server) -> None:
 
 
 async def send(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> None:
+    """One streamed request; a dropped connection is retried (and counted), not fatal.
+
+    mlx_lm.server has dropped a connection under concurrent streams: one lost request
+    must not cost a run of tens of minutes. The retry's TTFT is the one recorded.
+    """
+    for attempt in range(3):
+        try:
+            await _send_once(client, model, call, max_tokens)
+            return
+        except (APIConnectionError, httpx.TransportError):
+            if attempt == 2:
+                raise
+            call.retries += 1
+            await asyncio.sleep(1)
+
+
+async def _send_once(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> None:
+    call.ttft = 0.0
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
         model=model,
@@ -215,18 +245,23 @@ class Workloads:
         async with client:
             await self._run(server, client, model)
 
-    async def _run(self, server: Server, client: AsyncOpenAI, model: str) -> None:
+    def chat_workloads(self) -> list[ChatShape]:
+        """Workloads 1-3; bench/overflow_sweep.py runs workload 3 at other shapes and budgets.
+
+        Each has a system prompt of its own, so no workload replays another's conversations.
+        """
         q = self.quick
         words = 200 if q else 400
-        chats = [
-            ("1", "1-sequential", 2, 3 if q else 6, False),
-            ("2", "2-shared", 4 if q else 16, 2 if q else 3, True),
-            ("3", "3-overflow", 4 if q else 8, 3 if q else 4, False),
+        return [
+            ChatShape("1", "1-sequential", 2, 3 if q else 6, False, words, seed=11),
+            ChatShape("2", "2-shared", 4 if q else 16, 2 if q else 3, True, words, seed=12),
+            ChatShape("3", "3-overflow", 4 if q else 8, 3 if q else 4, False, words, seed=13),
         ]
-        for number, name, convs, turns, concurrent in chats:
-            if self.wants(number):
-                await self.chats(server, client, model, name, convs=convs, turns=turns,
-                                 concurrent=concurrent, system_words=words)  # fmt: skip
+
+    async def _run(self, server: Server, client: AsyncOpenAI, model: str) -> None:
+        for w in self.chat_workloads():
+            if self.wants(w.number):
+                await self.chats(server, client, model, w)
         if self.wants("4"):
             await self.branching(server, client, model)
         if self.wants("5"):
@@ -235,9 +270,10 @@ class Workloads:
     def wants(self, number: str) -> bool:
         return self.only is None or number in self.only
 
-    async def chats(self, server, client, model, name, *, convs, turns, concurrent, system_words):
+    async def chats(self, server, client, model, shape: ChatShape) -> None:
         """Conversations turn by turn; sequential ones go round-robin across conversations."""
-        system = system_prompt(system_words, seed=1)
+        name, convs, turns, concurrent = shape.name, shape.convs, shape.turns, shape.concurrent
+        system = system_prompt(shape.words, shape.seed)
         history = [[{"role": "system", "content": system}] for _ in range(convs)]
         for turn in range(turns):
             calls = []
@@ -444,7 +480,7 @@ def main() -> None:
         "--cache-max-bytes",
         type=int,
         default=None,
-        help="byte budget for both caches (default: about a third of workload 3)",
+        help="byte budget for both caches (default: workload 3 with its prefix stored once)",
     )
     args = ap.parse_args()
     if args.report is not None:
@@ -462,13 +498,10 @@ def main() -> None:
         * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
         * 4
     )
-    # Workload 3's conversations end near 700 tokens (400 in --quick); the budget holds about a
-    # third of them when each is stored whole, as the peer does.
-    budget = args.cache_max_bytes or per_token * (700 if not args.quick else 400) * (
-        3 if not args.quick else 2
-    )
     only = set(args.workloads.split(",")) if args.workloads else None
     workloads = Workloads(args.quick, only, args.unique)
+    budget = args.cache_max_bytes or per_token * overflow_budget_tokens(workloads, tokenizer)
+    tag = ("quick" if args.quick else "full") + (f"_w{''.join(sorted(only))}" if only else "")
     servers: dict[str, Server] = {}
     for kind in args.servers.split(","):
         print(f"[{kind}] starting", flush=True)
@@ -481,11 +514,19 @@ def main() -> None:
         add_ceilings(server.calls, tokenizer)
         servers[kind] = server
         print(f"[{kind}] done: {len(server.calls)} requests, peak RSS {server.peak_rss >> 20} MiB")
+        # Saved after each server, so a later server's failure keeps the runs done so far.
+        summary, mismatches = save(RESULTS / f"multiturn_{tag}.json", budget, servers)
+    print_table(summary, servers, mismatches, budget)
+    if only is None and "peer" in servers:  # the plots compare all workloads with the peer
+        for f in plot(summary, servers, RESULTS):
+            print(f"wrote {f}")
+
+
+def save(path: Path, budget: int, servers: dict[str, Server]) -> tuple[dict, dict]:
     summary = summarize(servers)
-    mismatches = compare_outputs(servers)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = ("quick" if args.quick else "full") + (f"_w{''.join(sorted(only))}" if only else "")
-    (RESULTS / f"multiturn_{tag}.json").write_text(
+    mismatches = compare_outputs(servers) if "ours" in servers else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
         json.dumps(
             {
                 "budget_bytes": budget,
@@ -497,10 +538,21 @@ def main() -> None:
             indent=2,
         )
     )
-    print_table(summary, servers, mismatches, budget)
-    if only is None and "peer" in servers:  # the plots compare all workloads with the peer
-        for f in plot(summary, servers, RESULTS):
-            print(f"wrote {f}")
+    return summary, mismatches
+
+
+def overflow_budget_tokens(workloads: Workloads, tokenizer) -> int:
+    """Tokens that hold workload 3 with its system prompt stored once: S + N * own turns.
+
+    Stored whole, one copy of the system prompt per conversation, the same set needs
+    N * (S + own turns): this budget holds only some of the conversations that way,
+    which is the case where storing a shared prefix once has to pay off.
+    """
+    w = workloads.chat_workloads()[2]
+    system = [{"role": "system", "content": system_prompt(w.words, w.seed)}]
+    shared = len(tokenizer.apply_chat_template(system))
+    per_turn = workloads.max_tokens + 35  # the question and the template's turn markers
+    return shared + w.convs * w.turns * per_turn
 
 
 def report(path: Path) -> None:
