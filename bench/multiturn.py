@@ -27,9 +27,11 @@ import asyncio
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,6 +84,8 @@ class Server:
     port: int
     proc: subprocess.Popen | None = None
     peak_rss: int = 0
+    cache_bytes_peak: int = 0  # ours: /v1/cache after each wave; the peer: its own log
+    log: Path | None = None
     calls: list[Call] = field(default_factory=list)
 
 
@@ -109,7 +113,7 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
             "--prompt-cache-bytes",
             str(max_bytes),
             "--log-level",
-            "WARNING",
+            "INFO",  # its "Prompt Cache: N sequences, X GB" lines give the bytes it holds
         ]
     else:
         cmd = [
@@ -136,7 +140,9 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
     lib = find_openblas()
     if lib:
         env["LD_PRELOAD"] = lib  # both servers get the same BLAS
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(tempfile.mkstemp(prefix=f"bench-{kind}-", suffix=".log")[1])
+    with log.open("wb") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
@@ -150,7 +156,7 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
             proc.kill()
             raise RuntimeError(f"{kind} server did not start")
         time.sleep(0.5)
-    return Server(kind, port, proc)
+    return Server(kind, port, proc, log=log)
 
 
 def stop(server: Server) -> None:
@@ -166,6 +172,10 @@ def stop(server: Server) -> None:
         server.proc.wait(30)
     except subprocess.TimeoutExpired:
         server.proc.kill()
+    if server.log is not None:
+        if server.kind == "peer":
+            server.cache_bytes_peak = peer_cache_bytes(server.log)
+        server.log.unlink(missing_ok=True)
 
 
 async def send(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> None:
@@ -291,6 +301,7 @@ class Workloads:
             for conv, c in enumerate(calls):
                 history[conv].append({"role": "assistant", "content": c.reply})
             server.calls += calls
+            observe(server)
 
     async def branching(self, server, client, model) -> None:
         system = system_prompt(200 if self.quick else 400, seed=2)
@@ -301,6 +312,7 @@ class Workloads:
             await send(client, model, c, self.max_tokens)
             messages.append({"role": "assistant", "content": c.reply})
             server.calls.append(c)
+            observe(server)
         # The same last turn again, then the last user message edited.
         regenerate = Call("4-branching", 0, 3, self.next_wave(), messages[:-1])
         await send(client, model, regenerate, self.max_tokens)
@@ -308,6 +320,7 @@ class Workloads:
         edit = Call("4-branching", 0, 4, self.next_wave(), edited)
         await send(client, model, edit, self.max_tokens)
         server.calls += [regenerate, edit]
+        observe(server)
 
     async def unique(self, server, client, model, n) -> None:
         for i in range(n):
@@ -319,6 +332,20 @@ class Workloads:
             c = Call("5-unique", i, 0, self.next_wave(), messages)
             await send(client, model, c, self.max_tokens)
             server.calls.append(c)
+            observe(server)
+
+
+def observe(server: Server) -> None:
+    """Track the most bytes our cache has held (the peer's come from its log at stop)."""
+    if server.kind == "ours":
+        report = httpx.get(f"http://127.0.0.1:{server.port}/v1/cache", timeout=10).json()
+        server.cache_bytes_peak = max(server.cache_bytes_peak, report["bytes"])
+
+
+def peer_cache_bytes(log: Path) -> int:
+    """The most bytes mlx_lm.server reported holding (logged in GB, to 10 MB)."""
+    found = re.findall(rb"Prompt Cache: \d+ sequences, ([\d.]+) GB", log.read_bytes())
+    return max((int(float(gb) * 1e9) for gb in found), default=0)
 
 
 def add_ceilings(calls: list[Call], tokenizer) -> None:
@@ -533,6 +560,7 @@ def save(path: Path, budget: int, servers: dict[str, Server]) -> tuple[dict, dic
                 "summary": summary,
                 "mismatches_vs_ours": mismatches,
                 "peak_rss": {k: s.peak_rss for k, s in servers.items()},
+                "cache_bytes_peak": {k: s.cache_bytes_peak for k, s in servers.items()},
                 "calls": {k: [asdict(c) for c in s.calls] for k, s in servers.items()},
             },
             indent=2,
@@ -560,7 +588,8 @@ def report(path: Path) -> None:
     saved = json.loads(path.read_text())
     servers = {}
     for kind, calls in saved["calls"].items():
-        servers[kind] = Server(kind, 0, peak_rss=saved["peak_rss"][kind])
+        peak = saved.get("cache_bytes_peak", {}).get(kind, 0)
+        servers[kind] = Server(kind, 0, peak_rss=saved["peak_rss"][kind], cache_bytes_peak=peak)
         servers[kind].calls = [Call(**c) for c in calls]
     summary = summarize(servers)
     print_table(summary, servers, compare_outputs(servers), saved["budget_bytes"])
@@ -596,7 +625,13 @@ def print_table(summary: dict, servers: dict[str, Server], mismatches: dict, bud
         cost = u["ours"]["ttft_median"] / u["ours-nocache"]["ttft_median"] - 1
         print(f"cost of the cache with no reuse (workload 5): {cost * 100:+.1f}% TTFT")
     print("peak RSS: " + ", ".join(f"{k} {s.peak_rss >> 20} MiB" for k, s in servers.items()))
+    print(
+        "most bytes held by the cache: "
+        + ", ".join(f"{k} {s.cache_bytes_peak / 2**20:.0f} MiB" for k, s in servers.items())
+    )
     print(f"greedy outputs differing from ours: {mismatches}")
+    retries = {k: sum(c.retries for c in s.calls) for k, s in servers.items()}
+    print(f"requests retried after a dropped connection: {retries}")
 
 
 if __name__ == "__main__":

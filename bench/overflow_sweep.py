@@ -62,7 +62,10 @@ def run(
     finally:
         stop(server)
     add_ceilings(server.calls, tokenizer)
-    return summarize({kind: server})[NAME][kind] | {"peak_rss": server.peak_rss}
+    return summarize({kind: server})[NAME][kind] | {
+        "peak_rss": server.peak_rss,
+        "cache_bytes_peak": server.cache_bytes_peak,
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
