@@ -9,7 +9,7 @@ conversations are workload 1's and 4's: a long system prompt, several turns, the
 regenerated answer and an edited last question. Reported: the median of the per-pair
 TTFT ratios (ours / peer) over the warm turns, and whether greedy replies matched.
 
-    python bench/warm_paired.py [--conversations 3] [--turns 6]
+    python bench/warm_paired.py [--conversations 5] [--turns 6]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ async def paired(ours_port: int, peer_port: int, model: str, convs: int, turns: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument("--conversations", type=int, default=5)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--cache-max-bytes", type=int, default=256 * 2**20)
     args = ap.parse_args()
