@@ -280,6 +280,7 @@ class Engine:
                 if gen is not None:
                     gen.close()
                 gen = None
+                idle_since = time.monotonic()  # what the failed batch held can go back too
             finally:
                 self.running = len(active)
         for request in [x for r in active.values() for x in (r, *r.followers)]:
