@@ -517,14 +517,7 @@ def main() -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(Path(model))  # renders chat templates as the servers do
-    config = json.loads((Path(model) / "config.json").read_text())
-    per_token = (
-        config["num_hidden_layers"]
-        * 2
-        * config["num_key_value_heads"]
-        * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-        * 4
-    )
+    per_token = kv_bytes_per_token(Path(model))
     only = set(args.workloads.split(",")) if args.workloads else None
     workloads = Workloads(args.quick, only, args.unique)
     budget = args.cache_max_bytes or per_token * overflow_budget_tokens(workloads, tokenizer)
@@ -569,18 +562,31 @@ def save(path: Path, budget: int, servers: dict[str, Server]) -> tuple[dict, dic
     return summary, mismatches
 
 
-def overflow_budget_tokens(workloads: Workloads, tokenizer) -> int:
-    """Tokens that hold workload 3 with its system prompt stored once: S + N * own turns.
+def kv_bytes_per_token(model: Path) -> int:
+    """KV cache bytes one token takes in a float32 model."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
+
+
+def deduplicated_tokens(shape: ChatShape, max_tokens: int, tokenizer) -> tuple[int, int]:
+    """(shared prompt tokens S, S + N * own turns): a chat workload, prefix stored once.
 
     Stored whole, one copy of the system prompt per conversation, the same set needs
-    N * (S + own turns): this budget holds only some of the conversations that way,
-    which is the case where storing a shared prefix once has to pay off.
+    N * (S + own turns).
     """
-    w = workloads.chat_workloads()[2]
-    system = [{"role": "system", "content": system_prompt(w.words, w.seed)}]
+    system = [{"role": "system", "content": system_prompt(shape.words, shape.seed)}]
     shared = len(tokenizer.apply_chat_template(system))
-    per_turn = workloads.max_tokens + 35  # the question and the template's turn markers
-    return shared + w.convs * w.turns * per_turn
+    own = shape.turns * (max_tokens + 35)  # each turn: question, reply, template markers
+    return shared, shared + shape.convs * own
+
+
+def overflow_budget_tokens(workloads: Workloads, tokenizer) -> int:
+    """Workload 3 with its system prompt stored once: whole, only some conversations fit.
+
+    That is the case where storing a shared prefix once has to pay off.
+    """
+    return deduplicated_tokens(workloads.chat_workloads()[2], workloads.max_tokens, tokenizer)[1]
 
 
 def report(path: Path) -> None:

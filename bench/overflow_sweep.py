@@ -33,10 +33,11 @@ from multiturn import (
     Server,
     Workloads,
     add_ceilings,
+    deduplicated_tokens,
+    kv_bytes_per_token,
     start,
     stop,
     summarize,
-    system_prompt,
 )
 from openai import AsyncOpenAI
 
@@ -107,21 +108,12 @@ def main() -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(Path(model))
-    config = json.loads((Path(model) / "config.json").read_text())
-    per_token = (
-        config["num_hidden_layers"]
-        * 2
-        * config["num_key_value_heads"]
-        * config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
-        * 4
-    )
+    per_token = kv_bytes_per_token(Path(model))
     workloads = Workloads(quick=False)
     workloads.max_tokens = args.max_tokens
     shape = ChatShape(NAME, NAME, args.conversations, args.turns, False, args.system_words, 13)
-    system = [{"role": "system", "content": system_prompt(shape.words, shape.seed)}]
-    shared = len(tokenizer.apply_chat_template(system))
-    own = args.turns * (args.max_tokens + 35)  # each turn: question, reply, template markers
-    deduplicated = shared + args.conversations * own
+    shared, deduplicated = deduplicated_tokens(shape, args.max_tokens, tokenizer)
+    own = (deduplicated - shared) // args.conversations
     whole = args.conversations * (shared + own)
     rows = []
     print(f"S = {shared} tokens, N = {args.conversations}, own turns ~{own} tokens each")
