@@ -18,7 +18,7 @@ import random
 import statistics
 
 import httpx
-from multiturn import RESULTS, Call, send, start, stop, system_prompt
+from multiturn import RESULTS, Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from app.default_model import default_model_dir
@@ -57,13 +57,11 @@ def main() -> None:
     ap.add_argument("--cache-max-bytes", type=int, default=92 * 2**20)
     args = ap.parse_args()
     model = str(default_model_dir())
-    cached = start("ours", model, 32, args.cache_max_bytes)
-    plain = start("ours-nocache", model, 32, args.cache_max_bytes)
-    try:
+    with (
+        running("ours", model, 32, args.cache_max_bytes) as cached,
+        running("ours-nocache", model, 32, args.cache_max_bytes) as plain,
+    ):
         results = asyncio.run(pairs(cached.port, plain.port, args.pairs))
-    finally:
-        stop(cached)
-        stop(plain)
     ratios = [a / b for a, b, _ in results]
     report = {
         "pairs": len(results),

@@ -33,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -157,6 +159,16 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
             raise RuntimeError(f"{kind} server did not start")
         time.sleep(0.5)
     return Server(kind, port, proc, log=log)
+
+
+@contextmanager
+def running(kind: str, model: str, max_sequences: int, max_bytes: int) -> Iterator[Server]:
+    """A started server, stopped (peak RSS and cache bytes read) however the block ends."""
+    server = start(kind, model, max_sequences, max_bytes)
+    try:
+        yield server
+    finally:
+        stop(server)
 
 
 def stop(server: Server) -> None:
@@ -525,12 +537,9 @@ def main() -> None:
     servers: dict[str, Server] = {}
     for kind in args.servers.split(","):
         print(f"[{kind}] starting", flush=True)
-        server = start(kind, model, args.cache_max_sequences, budget)
         name = "bench" if kind != "peer" else model
-        try:
+        with running(kind, model, args.cache_max_sequences, budget) as server:
             asyncio.run(workloads.run(server, name))
-        finally:
-            stop(server)
         add_ceilings(server.calls, tokenizer)
         servers[kind] = server
         print(f"[{kind}] done: {len(server.calls)} requests, peak RSS {server.peak_rss >> 20} MiB")

@@ -35,8 +35,7 @@ from multiturn import (
     add_ceilings,
     deduplicated_tokens,
     kv_bytes_per_token,
-    start,
-    stop,
+    running,
     summarize,
 )
 from openai import AsyncOpenAI
@@ -57,11 +56,8 @@ async def drive(server: Server, model: str, workloads: Workloads, shape: ChatSha
 def run(
     kind: str, model: str, budget: int, workloads: Workloads, shape: ChatShape, tokenizer
 ) -> dict:
-    server = start(kind, model, 64, budget)
-    try:
+    with running(kind, model, 64, budget) as server:
         asyncio.run(drive(server, "bench" if kind != "peer" else model, workloads, shape))
-    finally:
-        stop(server)
     add_ceilings(server.calls, tokenizer)
     return summarize({kind: server})[NAME][kind] | {
         "peak_rss": server.peak_rss,

@@ -19,7 +19,7 @@ import asyncio
 import json
 import statistics
 
-from multiturn import RESULTS, Call, question, send, start, stop, system_prompt
+from multiturn import RESULTS, Call, question, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from app.default_model import default_model_dir
@@ -71,13 +71,11 @@ def main() -> None:
     ap.add_argument("--cache-max-bytes", type=int, default=256 * 2**20)
     args = ap.parse_args()
     model = str(default_model_dir())
-    ours = start("ours", model, 32, args.cache_max_bytes)
-    peer = start("peer", model, 32, args.cache_max_bytes)
-    try:
+    with (
+        running("ours", model, 32, args.cache_max_bytes) as ours,
+        running("peer", model, 32, args.cache_max_bytes) as peer,
+    ):
         pairs = asyncio.run(paired(ours.port, peer.port, model, args.conversations, args.turns))
-    finally:
-        stop(ours)
-        stop(peer)
     warm = [p for p in pairs if p["turn"] > 0]
     ratios = [p["ours"] / p["peer"] for p in warm]
     report = {
