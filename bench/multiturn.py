@@ -578,16 +578,15 @@ def kv_bytes_per_token(model: Path) -> int:
     return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
 
 
-def deduplicated_tokens(shape: ChatShape, max_tokens: int, tokenizer) -> tuple[int, int]:
-    """(shared prompt tokens S, S + N * own turns): a chat workload, prefix stored once.
+def chat_sizes(shape: ChatShape, max_tokens: int, tokenizer) -> tuple[int, int]:
+    """(S, own): tokens of the shared system prompt, and of each conversation's own turns.
 
-    Stored whole, one copy of the system prompt per conversation, the same set needs
-    N * (S + own turns).
+    With the prefix stored once the conversations need S + N * own tokens; stored
+    whole, one copy of the system prompt each, N * (S + own).
     """
     system = [{"role": "system", "content": system_prompt(shape.words, shape.seed)}]
     shared = len(tokenizer.apply_chat_template(system))
-    own = shape.turns * (max_tokens + 35)  # each turn: question, reply, template markers
-    return shared, shared + shape.convs * own
+    return shared, shape.turns * (max_tokens + 35)  # each turn: question, reply, markers
 
 
 def overflow_budget_tokens(workloads: Workloads, tokenizer) -> int:
@@ -595,7 +594,9 @@ def overflow_budget_tokens(workloads: Workloads, tokenizer) -> int:
 
     That is the case where storing a shared prefix once has to pay off.
     """
-    return deduplicated_tokens(workloads.chat_workloads()[2], workloads.max_tokens, tokenizer)[1]
+    shape = workloads.chat_workloads()[2]
+    shared, own = chat_sizes(shape, workloads.max_tokens, tokenizer)
+    return shared + shape.convs * own
 
 
 def report(path: Path) -> None:

@@ -33,7 +33,7 @@ from multiturn import (
     Server,
     Workloads,
     add_ceilings,
-    deduplicated_tokens,
+    chat_sizes,
     kv_bytes_per_token,
     running,
     summarize,
@@ -108,8 +108,8 @@ def main() -> None:
     workloads = Workloads(quick=False)
     workloads.max_tokens = args.max_tokens
     shape = ChatShape(NAME, NAME, args.conversations, args.turns, False, args.system_words, 13)
-    shared, deduplicated = deduplicated_tokens(shape, args.max_tokens, tokenizer)
-    own = (deduplicated - shared) // args.conversations
+    shared, own = chat_sizes(shape, args.max_tokens, tokenizer)
+    deduplicated = shared + args.conversations * own
     whole = args.conversations * (shared + own)
     rows = []
     print(f"S = {shared} tokens, N = {args.conversations}, own turns ~{own} tokens each")
