@@ -28,6 +28,16 @@ class JoinedKVCache(KVCache):
     def _untouched(self) -> bool:
         return self.keys is self._joined[0] and self.offset == self._joined[1]
 
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # The joined buffer is exactly full, so `KVCache` would grow it by
+        # concatenating it with free space: a second copy of every token. Join
+        # the parts and the free space in one concatenation instead.
+        if self._untouched():
+            room = -(-(self.offset + keys.shape[2]) // self.step) * self.step - self.offset
+            self.keys = _join([*self.parts[0], _free(self.parts[0][0], room)])
+            self.values = _join([*self.parts[1], _free(self.parts[1][0], room)])
+        return super().update_and_fetch(keys, values)
+
     @classmethod
     def merge(cls, caches: list[KVCache]) -> BatchKVCache:
         """What `BatchKVCache.merge` builds (left-padded), writing joined parts in place."""
@@ -64,3 +74,7 @@ def _join(parts: list[mx.array]) -> mx.array:
     # A lone part is handed out as a view: a new array object the caller cannot
     # write through into the stored buffer.
     return parts[0][...] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def _free(like: mx.array, n: int) -> mx.array:
+    return mx.zeros((*like.shape[:2], n, like.shape[3]), like.dtype)

@@ -323,3 +323,22 @@ def test_joined_cache_merges_into_a_batch_like_mlx_lm():
         assert np.array_equal(np.array(got.values), np.array(want.values))
         assert np.array_equal(np.array(got.left_padding), np.array(want.left_padding))
         assert np.array_equal(np.array(got.offset), np.array(want.offset))
+
+
+def test_joined_cache_extended_in_place_equals_a_plain_one():
+    cache = PromptCache()
+    a = SYSTEM[:40] + [1] * 10
+    b = SYSTEM[:40] + [2] * 25
+    cache.insert("m", a, kv_cache(a))
+    cache.insert("m", b, kv_cache(b))
+    joined = cache.fetch("m", b + [3]).cache  # two segments: shared + b's own
+    plain = kv_cache(b)
+    for step in range(3):  # the first update joins the parts; later ones append
+        new_k, new_v = mx.full((1, 2, 3, 4), float(step)), mx.full((1, 2, 3, 4), -float(step))
+        for j, p in zip(joined, plain, strict=True):
+            got, want = j.update_and_fetch(new_k, new_v), p.update_and_fetch(new_k, new_v)
+            assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
+    assert same_state(joined, plain)
+    assert same_state(cache.fetch("m", b + [3]).cache, kv_cache(b))  # the store is untouched
+    merged = type(joined[0]).merge([joined[0], plain[0]])
+    assert np.array_equal(np.array(merged.keys[0]), np.array(merged.keys[1]))
