@@ -381,7 +381,11 @@ class Engine:
         processors = make_processors(p.logit_bias, p.presence_penalty, p.frequency_penalty)
         self.stats.admitted += 1
         request.emit(Started(prompt_tokens=len(tokens), cached_tokens=n))
-        if alone and not request.followers and len(tokens) - n <= self.prefill_step_size:
+        # Prefilling here holds up the batch's decoding until done: for one step's
+        # worth of tokens that is what BatchGenerator does too; for more, only
+        # when nobody else is running.
+        short = len(tokens) - n <= self.prefill_step_size
+        if alone and not request.followers and (short or not active):
             self._admit_prefilled(gen, request, active, cached, n, sampler, processors)
             return
         segments = [tokens[n:]]
@@ -420,8 +424,13 @@ class Engine:
         """
         tokens, p = request.tokens, request.params
         cache = cache or make_prompt_cache(self.model)
+        step = self.prefill_step_size
         with mx.stream(gen.stream):
-            logits = self.model(mx.array(tokens[n:])[None], cache=cache)[:, -1, :]
+            *chunks, last = range(n, len(tokens), step)
+            for at in chunks:  # evaluated one by one: activations stay one step's size
+                self.model(mx.array(tokens[at : at + step])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            logits = self.model(mx.array(tokens[last:])[None], cache=cache)[:, -1, :]
             context = mx.array(tokens, dtype=mx.int32)
             for processor in processors:
                 logits = processor(context, logits)

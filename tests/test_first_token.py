@@ -154,3 +154,17 @@ def test_a_failed_prefill_fails_that_request_only(tiny_model_dir):
     (sink,) = collect(engine, [prompt(engine.tokenizer, QUESTIONS[0])], params, False)
     assert any(isinstance(e, Failed) and "simulated" in e.message for e in sink)
     assert engine.stats.failed == 1 and engine.running == 0
+
+
+def test_a_long_lone_prompt_is_prefilled_in_steps(tiny_model_dir):
+    engine = build_engine(Settings(no_cache=True), str(tiny_model_dir))
+    p = prompt(engine.tokenizer, QUESTIONS[2])
+    params = SamplingParams(max_tokens=6, temperature=0)
+    batched, _ = collect(engine, [p, p], params, together=True)  # two: the batched path
+    engine = build_engine(Settings(no_cache=True), str(tiny_model_dir))
+    engine.prefill_step_size = 16
+    engine.model = counting = CountingModel(engine.model)
+    (lone,) = collect(engine, [p], params, together=False)
+    assert text(lone) == text(batched)
+    steps = [16] * (len(p) // 16) + ([len(p) % 16] if len(p) % 16 else [])
+    assert counting.calls[: len(steps)] == steps and set(counting.calls[len(steps) :]) == {1}
