@@ -62,6 +62,9 @@ class _EngineCollector:
         seqs = GaugeMetricFamily("mlx_cache_sequences", "Cached sequences", labels=labels)
         nbytes = GaugeMetricFamily("mlx_cache_bytes", "Bytes held by the cache", labels=labels)
         evictions = CounterMetricFamily("mlx_cache_evictions", "Evicted sequences", labels=labels)
+        shortened = CounterMetricFamily(
+            "mlx_cache_shortened", "Sequences cut back at their end to make room", labels=labels
+        )
         reuse = GaugeMetricFamily(
             "mlx_cache_reuse_ratio", "Cached tokens / prompt tokens looked up", labels=labels
         )
@@ -70,8 +73,9 @@ class _EngineCollector:
             seqs.add_metric(names, stats.sequences)
             nbytes.add_metric(names, stats.bytes)
             evictions.add_metric(names, stats.evictions)
+            shortened.add_metric(names, stats.shortened)
             reuse.add_metric(names, stats.reuse)
-        yield from (seqs, nbytes, evictions, reuse)
+        yield from (seqs, nbytes, evictions, shortened, reuse)
         yield _gauge("mlx_cache_budget_bytes", "The cache's byte budget", cache.max_bytes)
 
 

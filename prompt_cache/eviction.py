@@ -30,6 +30,10 @@ class LRUOrder(Generic[K, V]):
     def discard(self, key: K) -> None:
         self._order.pop(key, None)
 
+    def replace(self, old: K, new: K) -> None:
+        """`new` takes `old`'s place in the order (a sequence that now ends elsewhere)."""
+        self._order = OrderedDict((new if k is old else k, v) for k, v in self._order.items())
+
     def victim(self, evictable: Callable[[K], bool]) -> tuple[K, V] | None:
         """The least recently used key that may be evicted now, with its value."""
         for key, value in self._order.items():

@@ -17,8 +17,14 @@ the state of a sequence. Rules:
   * snapshot otherwise: a terminal node holds the whole cache of its sequence.
     A fetch restores the deepest stored prefix, or a longer stored sequence
     trimmed back to the common prefix when its layers are trimmable.
-- Eviction removes whole cached sequences, least recently used first (a fetch
-  or insert counts as use), until both `max_sequences` and `max_bytes` hold.
+- Eviction works on cached sequences, least recently used first (a fetch or
+  insert counts as use), until both `max_sequences` and `max_bytes` hold. A
+  sequence goes whole, except when only bytes are short and, in prefix-sharing
+  mode, the end of the sequence that no other one shares is enough: then only
+  that many tokens are cut off its end (`_shorten`), and the rest stays for its
+  next turn, as long as the copy this takes is at most `SHORTEN_COPY` times
+  the bytes freed (MLX cannot free part of a buffer, so what is kept of the
+  last segment is copied).
   Nodes a running fetch or insert uses are pinned and never removed under it.
   An insert that cannot fit is refused, so the byte count never exceeds
   `max_bytes`, at any moment a reader can observe.
@@ -42,6 +48,8 @@ from .radix import TOKEN, Node, Walk, add_child, detach, iter_nodes, nearest, pa
 
 Kind = Literal["exact", "shorter", "longer", "miss"]
 
+SHORTEN_COPY = 4  # most bytes copied per byte freed when cutting a sequence's end
+
 
 @dataclass
 class Fetched:
@@ -64,6 +72,7 @@ class CacheStats:
     inserts: int = 0
     rejected: int = 0
     evictions: int = 0
+    shortened: int = 0  # sequences whose end was cut off to make room, instead of evicted
     sequences: int = 0
     bytes: int = 0
 
@@ -120,6 +129,7 @@ class PromptCache:
         self._stats: dict[Hashable, CacheStats] = {}
         self._lru: LRUOrder[Node, _Tree] = LRUOrder()
         self._nbytes = 0
+        self._shorten_copy = SHORTEN_COPY
 
     # ----------------------------------------------------------------- reads
 
@@ -320,7 +330,8 @@ class PromptCache:
         evicted = 0
         with self._lock:
             while len(self._lru) > seqs or self._nbytes > nb:
-                if not self._evict_one():
+                excess = 0 if len(self._lru) > seqs else self._nbytes - nb
+                if not self._evict_one(excess):
                     break
                 evicted += 1
         return evicted
@@ -343,21 +354,75 @@ class PromptCache:
     def _make_room(self, need_bytes: int, need_sequences: int) -> bool:
         if need_bytes > self.max_bytes or need_sequences > self.max_sequences:
             return False
-        while (
-            self._nbytes + need_bytes > self.max_bytes
-            or len(self._lru) + need_sequences > self.max_sequences
-        ):
-            if not self._evict_one():
+        while True:
+            excess = self._nbytes + need_bytes - self.max_bytes
+            if len(self._lru) + need_sequences > self.max_sequences:
+                excess = 0  # a whole sequence has to go
+            elif excess <= 0:
+                return True
+            if not self._evict_one(excess):
                 return False
-        return True
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, excess: int = 0) -> bool:
+        """Make room from the LRU sequence: `excess` bytes off its end if > 0 and it can."""
         found = self._lru.victim(lambda node: node.pins == 0)
         if found is None:
             return False
         node, tree = found
+        if excess > 0 and self._shorten(tree, node, excess):
+            tree.stats.shortened += 1
+            return True
         self._drop(tree, node)
         tree.stats.evictions += 1
+        return True
+
+    def _shorten(self, tree: _Tree, node: Node, excess: int) -> bool:
+        """Cut at least `excess` bytes off the end of the sequence ending at `node`.
+
+        Only what no other sequence and no running operation uses is cut: the
+        chain of single-child nodes above the leaf. Whole nodes go without a
+        copy; cutting into one copies what it keeps, and when that copy would
+        exceed `SHORTEN_COPY` times the bytes freed, the whole node goes instead.
+        False, with nothing changed, when the sequence has to go whole.
+        """
+        if not tree.layout.sliceable or node.children:
+            return False
+        owned = [node]  # deepest first
+        up = node.parent
+        while up is not None and up.parent is not None and _owned_by_one(up):
+            owned.append(up)
+            up = up.parent
+        tokens = sum(n.size for n in owned)
+        per_token = sum(n.segment_nbytes for n in owned) // tokens
+        if not per_token:
+            return False
+        cut = -(-excess // per_token)
+        gone = 0  # nodes dropped whole, from the bottom
+        while gone < len(owned) and cut >= sum(n.size for n in owned[: gone + 1]):
+            gone += 1
+        if gone == len(owned):
+            return False
+        end = owned[gone]
+        part = cut - sum(n.size for n in owned[:gone])  # tokens to cut into `end`
+        if part and (end.size - part) > self._shorten_copy * cut:
+            if gone + 1 == len(owned):
+                return False
+            gone, part = gone + 1, 0
+            end = owned[gone]
+        for dropped in owned[:gone]:
+            detach(dropped)
+            self._add_bytes(tree, -dropped.segment_nbytes)
+        if part:
+            keep = end.size - part
+            end.segment = layers.cut_segment(end.segment, 0, keep)
+            self._add_bytes(tree, layers.nbytes(end.segment) - end.segment_nbytes)
+            end.segment_nbytes = layers.nbytes(end.segment)
+            end.edge = end.edge[: keep * TOKEN]
+            end.depth -= part
+        if end is not node:
+            node.terminal, end.terminal = False, True
+            self._lru.replace(node, end)
+        tree.version += 1
         return True
 
     # ------------------------------------------------------- node bookkeeping
@@ -401,6 +466,11 @@ class PromptCache:
             node.pins -= 1
         for node in reversed(nodes):
             self._prune(tree, node)
+
+
+def _owned_by_one(node: Node) -> bool:
+    """Whether only the sequence below uses `node`: no branch, no end, no pin."""
+    return not node.terminal and not node.pins and len(node.children) == 1
 
 
 # ---------------------------------------------------------------- planning

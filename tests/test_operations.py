@@ -59,6 +59,7 @@ def test_metrics_count_requests_tokens_and_cache(server):
         'mlx_cache_bytes{model="tiny",namespace=""}',
         "mlx_cache_sequences",
         "mlx_cache_evictions",
+        "mlx_cache_shortened",
         "mlx_cache_reuse_ratio",
         "mlx_queue_depth",
         "mlx_running_requests",

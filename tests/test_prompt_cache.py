@@ -138,6 +138,45 @@ def test_byte_budget_holds_and_shared_prefix_survives_leaf_eviction():
     assert found.n_cached == len(SYSTEM)
 
 
+def test_short_of_bytes_the_oldest_sequence_loses_only_its_end():
+    a, b = SYSTEM[:40] + [1] * 20, SYSTEM[:40] + [2] * 20
+    cache = PromptCache(max_bytes=(40 + 20 + 20) * BYTES_PER_TOKEN)
+    for seq in (a, b):
+        cache.insert("m", seq, kv_cache(seq))
+    c = SYSTEM[:40] + [3] * 5
+    assert cache.insert("m", c, kv_cache(c))
+    assert cache.nbytes == cache.max_bytes and len(cache) == 3
+    stats = cache.stats()
+    assert (stats.shortened, stats.evictions) == (1, 0)
+    found = cache.fetch("m", a + [9])  # a kept all but the 5 tokens c needed
+    assert found.n_cached == 55 and same_state(found.cache, kv_cache(a[:55]))
+    assert cache.fetch("m", b + [9]).n_cached == len(b)
+
+
+def test_cutting_into_a_long_segment_that_copies_too_much_drops_it_whole():
+    alone = [7] * 100  # shares nothing: keeping 97 tokens would copy 32x the 3 freed
+    cache = PromptCache(max_bytes=102 * BYTES_PER_TOKEN)
+    cache.insert("m", alone, kv_cache(alone))
+    new = [8] * 5
+    assert cache.insert("m", new, kv_cache(new))
+    assert cache.stats().evictions == 1 and cache.fetch("m", alone).kind == "miss"
+
+
+def test_a_sequence_can_lose_a_whole_node_instead_of_a_costly_cut():
+    a = SYSTEM[:30] + [1] * 40
+    b = SYSTEM[:30] + [2] * 2  # splits a's path at 30, then leaves
+    cache = PromptCache(max_sequences=2, max_bytes=(30 + 40 + 2) * BYTES_PER_TOKEN)
+    for seq in (a, b):
+        cache.insert("m", seq, kv_cache(seq))
+    cache.fetch("m", a + [9])
+    cache.trim_to(n_sequences=1)  # b goes: a is now two nodes it alone uses
+    c = [5] * 6  # 4 tokens short: cutting a's 40-token tail would keep 36 (> 4 x 4)
+    assert cache.insert("m", c, kv_cache(c))
+    found = cache.fetch("m", a + [9])
+    assert found.n_cached == 30 and same_state(found.cache, kv_cache(a[:30]))
+    assert cache.stats().shortened == 1 and cache.nbytes == (30 + 6) * BYTES_PER_TOKEN
+
+
 def test_insert_larger_than_budget_is_refused_without_evicting():
     cache = PromptCache(max_bytes=50 * BYTES_PER_TOKEN)
     small = [1] * 10

@@ -34,6 +34,7 @@ class ModelCacheStats(BaseModel):
     inserts: int
     rejected: int
     evictions: int
+    shortened: int  # sequences cut back at their end to make room, instead of evicted
 
 
 class CacheReport(BaseModel):
@@ -76,6 +77,7 @@ async def cache_stats(engine: EngineDep) -> CacheReport:
                 inserts=s.inserts,
                 rejected=s.rejected,
                 evictions=s.evictions,
+                shortened=s.shortened,
             )
         )
     return CacheReport(
