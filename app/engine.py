@@ -447,11 +447,14 @@ class Engine:
             [[first]],
             max_tokens=[p.max_tokens - 1],
             caches=[cache],
-            all_tokens=[tokens],
+            all_tokens=[list(tokens)],  # BatchGenerator appends to it
             samplers=[sampler],
             logits_processors=[processors],
         )
         active[request.uid] = request
+        # Cached now, not only when it ends: requests that arrived during this
+        # prefill (15 chats opening with this system prompt, say) reuse it at once.
+        self._store(request, (cache, tokens))
 
     def _on_token(self, gen: BatchGenerator, r: Any, active: dict[int, Request]) -> None:
         def state() -> tuple[list[Any], list[int]] | None:

@@ -55,3 +55,37 @@ def test_without_the_cache_nobody_waits(tiny_model_dir):
     prompts = [chat(engine.tokenizer, f"Q{i}") for i in range(3)]
     started, texts = run_all(engine, prompts)
     assert [s.cached_tokens for s in started] == [0, 0, 0] and all(texts)
+
+
+def test_a_running_request_shares_its_prompt_at_once(tiny_model_dir, uncached_client):
+    """Its prompt is cached when prefilled, not when it ends: later requests reuse it."""
+    engine = build_engine(Settings(), str(tiny_model_dir))
+    questions = [f"Question {i}: what is {i} times {i}?" for i in range(4)]
+    prompts = [chat(engine.tokenizer, q) for q in questions]
+    no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}  # keeps it running a while
+    first: list = []
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=300, temperature=0, logit_bias=no_end)
+        engine.submit(prompts[0], params, first.append)
+        deadline = time.monotonic() + 60
+        while not any(isinstance(e, Delta) for e in first):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert not any(isinstance(e, Finished) for e in first)  # still generating
+        later = [[] for _ in prompts[1:]]
+        for prompt, sink in zip(prompts[1:], later, strict=True):
+            engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0), sink.append)
+        while not all(any(isinstance(e, Finished) for e in s) for s in [first, *later]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    shared = min(common_prefix_length(prompts[0], p) for p in prompts[1:])
+    for question, sink in zip(questions[1:], later, strict=True):
+        assert next(e for e in sink if isinstance(e, Started)).cached_tokens >= shared
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        r = uncached_client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0
+        )
+        assert r.choices[0].message.content == "".join(e.text for e in sink if isinstance(e, Delta))
