@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from prompt_cache import PromptCache
 from prompt_cache.radix import common_prefix_length
 
+from .last_logits import last_logits
 from .sampling import make_processors, make_sampler
 from .text import StopMatcher
 
@@ -430,7 +431,7 @@ class Engine:
             for at in chunks:  # evaluated one by one: activations stay one step's size
                 self.model(mx.array(tokens[at : at + step])[None], cache=cache)
                 mx.eval([c.state for c in cache])
-            logits = self.model(mx.array(tokens[last:])[None], cache=cache)[:, -1, :]
+            logits = last_logits(self.model, mx.array(tokens[last:])[None], cache)
             context = mx.array(tokens, dtype=mx.int32)
             for processor in processors:
                 logits = processor(context, logits)
