@@ -397,13 +397,13 @@ class PromptCache:
         if not per_token:
             return False
         cut = -(-excess // per_token)
-        gone = 0  # nodes dropped whole, from the bottom
-        while gone < len(owned) and cut >= sum(n.size for n in owned[: gone + 1]):
-            gone += 1
-        if gone == len(owned):
+        if cut >= tokens:
             return False
+        gone, part = 0, cut  # nodes dropped whole, from the bottom; tokens to cut into the next
+        while part >= owned[gone].size:
+            part -= owned[gone].size
+            gone += 1
         end = owned[gone]
-        part = cut - sum(n.size for n in owned[:gone])  # tokens to cut into `end`
         if part and (end.size - part) > self._shorten_copy * cut:
             if gone + 1 == len(owned):
                 return False
