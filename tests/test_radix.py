@@ -1,7 +1,17 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prompt_cache.radix import Node, add_child, common_prefix_length, nearest, pack, split, walk
+from prompt_cache.radix import (
+    Node,
+    add_child,
+    common_prefix_length,
+    nearest,
+    pack,
+    split,
+    unpack,
+    walk,
+)
 
 
 def naive_lcp(a, b):
@@ -15,6 +25,18 @@ def naive_lcp(a, b):
 def test_common_prefix_length_matches_naive(a, b):
     assert common_prefix_length(a, b) == naive_lcp(a, b)
     assert common_prefix_length(pack(a), pack(b)) // 4 == naive_lcp(a, b)
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=600))
+def test_pack_round_trips_at_any_length(seq):
+    assert len(pack(seq)) == 4 * len(seq)
+    assert unpack(pack(seq)) == seq
+
+
+@pytest.mark.parametrize("bad", [[1, 2.5], [2**31], [-(2**31) - 1], [1, None], ["7"]])
+def test_pack_refuses_what_is_not_an_int32_token(bad):
+    with pytest.raises(ValueError, match="int32"):
+        pack(bad)
 
 
 @given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40), st.data())
