@@ -1,7 +1,9 @@
 """Cache operations, ours (prompt_cache) against mlx-lm's LRUPromptCache, on the same work.
 
 N conversations share one long system prompt and each adds its own tail; both
-caches get the same real mlx-lm KVCache objects. Timed per operation, medians:
+caches get the same real mlx-lm KVCache objects. Each operation runs on both caches
+back to back, in alternating order, so both see the same machine state (this
+machine's speed drifts by a third between runs). Medians of:
   insert  - store one conversation's cache
   lookup  - find the best match for the next turn, no KV copied (peer: what
             fetch_nearest_cache does before it copies, PromptTrie.search then
@@ -64,88 +66,117 @@ def timed(fn, *args):
     return time.perf_counter() - t, result
 
 
-def run_one(kind: str, length: int, n_convs: int, shared: list[mx.array]) -> dict:
+class Ours:
+    def __init__(self, n_convs: int) -> None:
+        self.cache = PromptCache(max_sequences=n_convs + 1)
+        self.root = Node(edge=b"")
+
+    def insert(self, toks: list[int], kv: list[KVCache]) -> None:
+        self.cache.insert("m", toks, kv)
+
+    def lookup(self, toks: list[int]) -> object:
+        return self.cache.peek("m", toks)
+
+    search = lookup  # peek is the search: no KV is touched
+
+    def fetch(self, toks: list[int]) -> int:
+        got = self.cache.fetch("m", toks)
+        mx.eval([(c.keys, c.values) for c in got.cache])
+        return got.n_cached
+
+    def index_add(self, toks: list[int]) -> None:
+        key = pack(toks)
+        w = walk(self.root, key)
+        parent = w.nodes[-1] if w.nodes else self.root
+        if w.partial:
+            parent = split(parent, w.length - parent.start)
+        add_child(parent, key[w.length * TOKEN :])
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+
+class Peer:
+    def __init__(self, n_convs: int) -> None:
+        self.cache = PeerCache(max_size=n_convs + 1)
+        self.trie = PromptTrie()
+
+    def insert(self, toks: list[int], kv: list[KVCache]) -> None:
+        self.cache.insert_cache("m", toks, kv)
+
+    def lookup(self, toks: list[int]) -> object:
+        found = self.cache._trie.search("m", toks)
+        best = found.exact or found.longer or found.shorter
+        return self.cache._trie.get("m", best)
+
+    def search(self, toks: list[int]) -> object:
+        return self.cache._trie.search("m", toks)
+
+    def fetch(self, toks: list[int]) -> int:
+        got, rest = self.cache.fetch_nearest_cache("m", toks)
+        mx.eval([(c.keys, c.values) for c in got])
+        return len(toks) - len(rest)
+
+    def index_add(self, toks: list[int]) -> None:
+        self.trie.add("m", toks, None)
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+
+def paired(sides: dict[str, Ours | Peer], op: str, args: tuple, i: int, best_of: int = 1) -> dict:
+    """Time `op` on both sides back to back, in alternating order: the same machine state."""
+    order = list(sides) if i % 2 == 0 else list(reversed(sides))
+    out = {}
+    for kind in order:
+        fn = getattr(sides[kind], op)
+        out[kind] = min((timed(fn, *args) for _ in range(best_of)), key=lambda t: t[0])
+    return out
+
+
+def run_pair(length: int, n_convs: int, shared: list[mx.array]) -> dict:
     n_shared = length - TAIL
     gc.collect()
     mx.clear_cache()
     base = mx.get_active_memory()
-    if kind == "ours":
-        cache = PromptCache(max_sequences=n_convs + 1)
-        insert, nbytes = cache.insert, lambda: cache.nbytes
-        lookup = search = cache.peek
+    sides = {"ours": Ours(n_convs), "peer": Peer(n_convs)}
+    times: dict[str, dict[str, list[float]]] = {k: {} for k in sides}
 
-        def fetch(model, toks):
-            got = cache.fetch(model, toks)
-            mx.eval([(c.keys, c.values) for c in got.cache])
-            return got.n_cached
-    else:
-        cache = PeerCache(max_size=n_convs + 1)
-        insert, nbytes = cache.insert_cache, lambda: cache.nbytes
+    def record(op: str, got: dict) -> dict:
+        for kind, (dt, _) in got.items():
+            times[kind].setdefault(op, []).append(dt)
+        return {kind: result for kind, (_, result) in got.items()}
 
-        def search(model, toks):
-            return cache._trie.search(model, toks)
-
-        def lookup(model, toks):
-            found = cache._trie.search(model, toks)
-            best = found.exact or found.longer or found.shorter
-            return cache._trie.get(model, best)
-
-        def fetch(model, toks):
-            got, rest = cache.fetch_nearest_cache(model, toks)
-            mx.eval([(c.keys, c.values) for c in got])
-            return len(toks) - len(rest)
-
-    t_insert, t_lookup, t_search, t_fetch = [], [], [], []
     for i in range(n_convs):
         toks = tokens_of(i, n_shared, length)
         kv = make_cache(shared, n_shared, length, seed=i)
-        t_insert.append(timed(insert, "m", toks, kv)[0])
+        record("insert_ms", paired(sides, "insert", (toks, kv), i))
+        record("index_insert_ms", paired(sides, "index_add", (toks,), i))
         del kv
-    gc.collect()
-    mx.clear_cache()
-    held = mx.get_active_memory() - base
-    reused = []
     for i in range(0, n_convs, max(1, n_convs // 50)):
         nxt = tokens_of(i, n_shared, length) + [99999] * 64  # the next turn
         # Index-only operations are short: best of 5 per query, on both sides.
-        t_lookup.append(min(timed(lookup, "m", nxt)[0] for _ in range(5)))
-        t_search.append(min(timed(search, "m", nxt)[0] for _ in range(5)))
-        dt, n = timed(fetch, "m", nxt)
-        t_fetch.append(dt)
-        reused.append(n)
-    assert all(n == length for n in reused), (kind, set(reused))
-    return {
-        "insert_ms": statistics.median(t_insert) * 1e3,
-        "lookup_ms": statistics.median(t_lookup) * 1e3,
-        "search_ms": statistics.median(t_search) * 1e3,
-        "fetch_ms": statistics.median(t_fetch) * 1e3,
-        "bytes_counted": nbytes(),
-        "bytes_held": held,
+        record("lookup_ms", paired(sides, "lookup", (nxt,), i, best_of=5))
+        record("search_ms", paired(sides, "search", (nxt,), i, best_of=5))
+        reused = record("fetch_ms", paired(sides, "fetch", (nxt,), i))
+        assert all(n == length for n in reused.values()), reused
+    out: dict[str, dict] = {
+        kind: {op: statistics.median(ts) * 1e3 for op, ts in ops.items()}
+        for kind, ops in times.items()
     }
-
-
-def index_insert(kind: str, length: int, n_convs: int) -> float:
-    """Median ms to add one conversation's tokens to an index holding the earlier ones."""
-    n_shared = length - TAIL
-    times = []
-    if kind == "peer":
-        trie = PromptTrie()
-        for i in range(n_convs):
-            times.append(timed(trie.add, "m", tokens_of(i, n_shared, length), None)[0])
-    else:
-        root = Node(edge=b"")
-
-        def add(tokens: list[int]) -> None:
-            key = pack(tokens)
-            w = walk(root, key)
-            parent = w.nodes[-1] if w.nodes else root
-            if w.partial:
-                parent = split(parent, w.length - parent.start)
-            add_child(parent, key[w.length * TOKEN :])
-
-        for i in range(n_convs):
-            times.append(timed(add, tokens_of(i, n_shared, length))[0])
-    return statistics.median(times) * 1e3
+    for kind in out:
+        out[kind]["bytes_counted"] = sides[kind].nbytes()
+    # What each holds: MLX memory that goes when its cache goes (the caller's
+    # arrays are gone; the peer keeps references to them, ours its own copies).
+    gc.collect()
+    mx.clear_cache()
+    total = mx.get_active_memory() - base
+    del sides["peer"]
+    gc.collect()
+    mx.clear_cache()
+    out["ours"]["bytes_held"] = mx.get_active_memory() - base
+    out["peer"]["bytes_held"] = total - out["ours"]["bytes_held"]
+    return out
 
 
 def main() -> None:
@@ -167,10 +198,8 @@ def main() -> None:
     header = f"{'tokens':>6} {'convs':>5} {'op':<14} {'ours':>12} {'peer':>12} {'peer/ours':>10}"
     print(header)
     for length, n in configs:
-        ours = run_one("ours", length, n, shared)
-        peer = run_one("peer", length, n, shared)
-        ours["index_insert_ms"] = index_insert("ours", length, n)
-        peer["index_insert_ms"] = index_insert("peer", length, n)
+        got = run_pair(length, n, shared)
+        ours, peer = got["ours"], got["peer"]
         rows.append({"tokens": length, "conversations": n, "ours": ours, "peer": peer})
         for key in (
             "lookup_ms",
