@@ -154,8 +154,9 @@ def unmap_large_blocks(threshold: int = 128 << 10, max_blocks: int = 32768) -> b
     glibc does that by default, but raises the threshold (up to 32 MiB) each time
     such a block is freed; after that, KV-sized buffers come from its heaps, where
     freed ones stay resident between the cache's segments. Pinned, a freed buffer
-    goes back to the system at once: the server's peak RSS over workload 3 of
-    bench/multiturn.py went from 863 to 837 MiB (from 951 to 882 in-process).
+    goes back to the system at once. With the idle trim below, the server's peak
+    RSS in bench/overflow_sweep.py went down by 40-61 MiB, for about 25 ms more
+    warm TTFT (bench/warm_paired.py): buffers are faulted in again.
     Past `max_blocks` mapped blocks glibc uses its heaps again, which keeps it well
     under the kernel's limit on mappings (65530 by default). Call it before loading
     the model; False where the C library is not glibc.
