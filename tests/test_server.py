@@ -173,7 +173,17 @@ def test_eight_concurrent_streams_are_independent(client):
 
 def test_client_dropping_mid_stream_leaves_the_server_healthy(server, client):
     cancelled = server.engine.stats.cancelled
-    body = {"model": "tiny", "messages": user("drop me"), "max_tokens": 3000, "stream": True}
+    # Greedy with the end token banned, so it cannot finish on its own before the drop
+    # is seen (sampled, it sometimes ended within a few tokens and the test flaked).
+    no_end = {str(t): -100 for t in server.engine.tokenizer.eos_token_ids}
+    body = {
+        "model": "tiny",
+        "messages": user("drop me"),
+        "max_tokens": 3000,
+        "stream": True,
+        "temperature": 0,
+        "logit_bias": no_end,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 3:
