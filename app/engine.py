@@ -291,16 +291,13 @@ class Engine:
                 if gen is None or not active:
                     continue
                 self._drop_cancelled(gen, active)
-                if not active:
-                    _trim_heap()
-                    idle_since = time.monotonic()
-                    continue
-                prefills, responses = gen.next()
-                for progress in prefills:
-                    self._on_prefill(gen, progress, active)
-                for response in responses:
-                    self._on_token(gen, response, active)
-                if not active:
+                if active:
+                    prefills, responses = gen.next()
+                    for progress in prefills:
+                        self._on_prefill(gen, progress, active)
+                    for response in responses:
+                        self._on_token(gen, response, active)
+                if not active:  # the last request just left
                     _trim_heap()
                     idle_since = time.monotonic()
             except Exception as e:  # keep serving: fail what was running, start afresh
