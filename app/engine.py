@@ -145,27 +145,6 @@ def _load_libc() -> Any:
 
 
 _libc = _load_libc()
-_M_MMAP_THRESHOLD, _M_MMAP_MAX = -3, -4
-
-
-def unmap_large_blocks(threshold: int = 128 << 10, max_blocks: int = 32768) -> bool:
-    """Have glibc map every block of `threshold` bytes or more on its own, for the process.
-
-    glibc does that by default, but raises the threshold (up to 32 MiB) each time
-    such a block is freed; after that, KV-sized buffers come from its heaps, where
-    freed ones stay resident between the cache's segments. Pinned, a freed buffer
-    goes back to the system at once. With the idle trim below, the server's peak
-    RSS in bench/overflow_sweep.py went down by 40-61 MiB, for about 25 ms more
-    warm TTFT (bench/warm_paired.py): buffers are faulted in again.
-    Past `max_blocks` mapped blocks glibc uses its heaps again, which keeps it well
-    under the kernel's limit on mappings (65530 by default). Call it before loading
-    the model; False where the C library is not glibc.
-    """
-    if _libc is None:
-        return False
-    return bool(
-        _libc.mallopt(_M_MMAP_THRESHOLD, threshold) and _libc.mallopt(_M_MMAP_MAX, max_blocks)
-    )
 
 
 class Engine:
