@@ -2,5 +2,6 @@
 
 from .compat import LRUPromptCache
 from .manager import CacheStats, Fetched, PromptCache
+from .radix import PackedTokens
 
-__all__ = ["CacheStats", "Fetched", "LRUPromptCache", "PromptCache"]
+__all__ = ["CacheStats", "Fetched", "LRUPromptCache", "PackedTokens", "PromptCache"]

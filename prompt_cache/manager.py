@@ -44,7 +44,19 @@ from typing import Any, Literal
 from . import layers
 from .eviction import LRUOrder
 from .layers import Layout
-from .radix import TOKEN, Node, Walk, add_child, detach, iter_nodes, nearest, pack, split, walk
+from .radix import (
+    TOKEN,
+    Node,
+    PackedTokens,
+    Walk,
+    add_child,
+    detach,
+    iter_nodes,
+    nearest,
+    pack,
+    split,
+    walk,
+)
 
 Kind = Literal["exact", "shorter", "longer", "miss"]
 
@@ -108,8 +120,14 @@ class _Plan:
     trim: int = 0
 
 
-def _key(tokens: Sequence[int] | Any) -> bytes:
-    """Packed tokens from a list, tuple, numpy or mlx array."""
+Tokens = Sequence[int] | PackedTokens
+"""A token list (or tuple, numpy or mlx array), or tokens packed once (`PackedTokens`)."""
+
+
+def _key(tokens: Tokens | Any) -> bytes:
+    """Packed tokens from a list, tuple, numpy or mlx array, or as they come."""
+    if isinstance(tokens, PackedTokens):
+        return tokens
     return pack(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
 
 
@@ -161,7 +179,7 @@ class PromptCache:
 
     # ----------------------------------------------------------------- fetch
 
-    def fetch(self, model: Hashable, tokens: Sequence[int]) -> Fetched:
+    def fetch(self, model: Hashable, tokens: Tokens) -> Fetched:
         """The best reusable state for `tokens`; the returned cache is the caller's."""
         key = _key(tokens)
         with self._lock:
@@ -190,7 +208,7 @@ class PromptCache:
                 self._unpin(tree, plan.pinned)
         return Fetched(cache, plan.n, plan.kind)
 
-    def peek(self, model: Hashable, tokens: Sequence[int]) -> tuple[Kind, int]:
+    def peek(self, model: Hashable, tokens: Tokens) -> tuple[Kind, int]:
         """How a fetch would match now, without building a cache or counting a use."""
         key = _key(tokens)
         with self._lock:
@@ -207,7 +225,7 @@ class PromptCache:
 
     # ---------------------------------------------------------------- insert
 
-    def insert(self, model: Hashable, tokens: Sequence[int], cache: list[Any]) -> bool:
+    def insert(self, model: Hashable, tokens: Tokens, cache: list[Any]) -> bool:
         """Store the state of `tokens`; False when it cannot fit in the limits.
 
         `cache` must hold exactly `tokens` (for KV caches its offset is checked).

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from prompt_cache import LRUPromptCache, PromptCache
+from prompt_cache import LRUPromptCache, PackedTokens, PromptCache
 from tests.fakes import BYTES_PER_TOKEN, held, kv_cache, same_state
 
 SYSTEM = list(range(100, 400))  # a long shared prefix
@@ -233,6 +233,23 @@ def test_peek_matches_fetch_without_counting():
         found = cache.fetch("m", query)
         assert peeked == (found.kind, found.n_cached)
     assert cache.peek("other", seq) == ("miss", 0)
+
+
+def test_packed_tokens_work_as_the_token_list_they_pack():
+    as_lists, as_packed = PromptCache(max_sequences=3), PromptCache(max_sequences=3)
+    prompts = [SYSTEM + [1, 2], SYSTEM + [1, 2, 3, 4], SYSTEM + [5], [7, 8, 9], SYSTEM[:50]]
+    for prompt in prompts:
+        packed = PackedTokens.of(prompt)
+        assert as_packed.peek("m", packed) == as_lists.peek("m", prompt)
+        a, b = as_lists.fetch("m", prompt), as_packed.fetch("m", packed)
+        assert (a.kind, a.n_cached) == (b.kind, b.n_cached)
+        assert a.cache is None or same_state(a.cache, b.cache)
+        turn = prompt + [60, 61]  # the prompt and its reply, stored as a server would
+        assert as_lists.insert("m", turn, kv_cache(turn))
+        assert as_packed.insert("m", packed.extend([60, 61]), kv_cache(turn))
+        assert (len(as_packed), as_packed.nbytes) == (len(as_lists), as_lists.nbytes)
+    with pytest.raises(ValueError, match="holds"):  # the cache must match the packed tokens too
+        as_packed.insert("m", PackedTokens.of([1, 2, 3]), kv_cache([1, 2]))
 
 
 def test_stats_count_kinds_and_tokens():

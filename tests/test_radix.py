@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from prompt_cache.radix import (
     Node,
+    PackedTokens,
     add_child,
     common_prefix_length,
     nearest,
@@ -37,6 +38,25 @@ def test_pack_round_trips_at_any_length(seq):
 def test_pack_refuses_what_is_not_an_int32_token(bad):
     with pytest.raises(ValueError, match="int32"):
         pack(bad)
+
+
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300),
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=300),
+    st.integers(0, 700),
+)
+def test_packed_tokens_extend_and_cut_like_lists(a, b, n):
+    packed = PackedTokens.of(a).extend(b)
+    assert isinstance(packed, PackedTokens) and packed == pack(a + b)
+    assert packed.n_tokens == len(a + b) and packed.tolist() == a + b
+    assert packed.prefix(n) == pack((a + b)[:n]) and isinstance(packed.prefix(n), PackedTokens)
+
+
+def test_packed_tokens_come_in_whole_tokens():
+    with pytest.raises(ValueError, match="4-byte"):
+        PackedTokens(b"abcde")
+    with pytest.raises(ValueError, match="int32"):
+        PackedTokens.of([1]).extend([2**31])
 
 
 @given(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40), st.data())
