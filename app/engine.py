@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from prompt_cache import PromptCache
+from prompt_cache import PackedTokens, PromptCache
 from prompt_cache.radix import common_prefix_length
 
 from .last_logits import last_logits
@@ -102,6 +102,7 @@ class Request:
     params: SamplingParams
     emit: Callable[[Event], None]
     cache_key: Any = None  # the prompt-cache model key: this model, in this tenant's namespace
+    packed: PackedTokens = PackedTokens()  # `tokens`, packed once for every cache lookup and insert
     cancelled: bool = False
     uid: int = -1
     generated: int = 0
@@ -145,6 +146,22 @@ def _load_libc() -> Any:
 
 
 _libc = _load_libc()
+
+
+def _packed(request: Request, tokens: list[int]) -> PackedTokens | list[int]:
+    """A state's tokens for the cache: the request's prompt was packed on arrival.
+
+    A request's state holds a prefix of its prompt (a shared prefix cached early)
+    or the prompt and what was generated after it; only the generated part is
+    packed here. The check costs a list compare, far less than packing.
+    """
+    prompt, n = request.tokens, len(request.tokens)
+    if len(tokens) <= n:
+        if tokens == prompt[: len(tokens)]:
+            return request.packed.prefix(len(tokens))
+    elif tokens[:n] == prompt:
+        return request.packed.extend(tokens[n:])
+    return list(tokens)  # not this request's sequence after all: pack it whole
 
 
 class Engine:
@@ -218,7 +235,8 @@ class Engine:
         emit: Callable,
         namespace: str | None = None,
     ) -> Request:
-        request = Request(list(tokens), params, emit, self.cache_key(namespace))
+        tokens = list(tokens)
+        request = Request(tokens, params, emit, self.cache_key(namespace), PackedTokens.of(tokens))
         self._inbox.put(request)
         return request
 
@@ -324,7 +342,7 @@ class Engine:
         running = [r for r in active.values() if r.prefilling]
         leaders: list[Request] = []
         for request in new:
-            _, cached = self.cache.peek(request.cache_key, request.tokens)
+            _, cached = self.cache.peek(request.cache_key, request.packed)
             leader, shared = None, 0
             for candidate in running + leaders:
                 if candidate.cache_key != request.cache_key:
@@ -380,7 +398,7 @@ class Engine:
         tokens, p = request.tokens, request.params
         cached, n = None, 0
         if self.cache is not None:
-            found = self.cache.fetch(request.cache_key, tokens)
+            found = self.cache.fetch(request.cache_key, request.packed)
             cached, n = found.cache, found.n_cached
         request.detok = self.tokenizer.detokenizer
         request.stops = StopMatcher(p.stop)
@@ -532,7 +550,7 @@ class Engine:
         if not tokens or not cache:
             return
         try:
-            self.cache.insert(request.cache_key, list(tokens), cache)
+            self.cache.insert(request.cache_key, _packed(request, tokens), cache)
         except ValueError as e:  # never worth failing a request over
             log.warning("not caching a sequence of %d tokens: %s", len(tokens), e)
 

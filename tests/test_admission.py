@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
-from app.engine import Delta, Finished, SamplingParams, Started
+from app.engine import Delta, Finished, Request, SamplingParams, Started, _packed
 from app.server import build_engine
 from app.settings import Settings
-from prompt_cache.radix import common_prefix_length
+from prompt_cache import PackedTokens
+from prompt_cache.radix import common_prefix_length, pack
 
 SYSTEM = "You are a careful assistant who answers briefly and precisely. " * 5
 
@@ -89,3 +90,13 @@ def test_a_running_request_shares_its_prompt_at_once(tiny_model_dir, uncached_cl
             model="tiny", messages=messages, max_tokens=12, temperature=0
         )
         assert r.choices[0].message.content == "".join(e.text for e in sink if isinstance(e, Delta))
+
+
+def test_a_requests_states_are_keyed_by_the_prompt_packed_on_arrival():
+    prompt = [5, 6, 7, 8]
+    request = Request(prompt, SamplingParams(max_tokens=4), print, packed=PackedTokens.of(prompt))
+    for state in ([5, 6], prompt, [*prompt, 9, 10]):  # a shared prefix, the prompt, prompt + reply
+        key = _packed(request, state)
+        assert isinstance(key, PackedTokens) and key == pack(state)
+    assert _packed(request, [5, 9]) == [5, 9]  # not its sequence: taken as it is
+    assert _packed(request, [5, 6, 7, 9, 10]) == [5, 6, 7, 9, 10]
