@@ -11,6 +11,11 @@ machine's speed drifts by a third between runs). Medians of:
   search  - the peer's PromptTrie.search alone, against the same peek
   index insert - the index alone, no KV: the peer's PromptTrie.add against our
             radix tree (pack, walk, split an edge if needed, add a node)
+  ... packed - the same two, ours given the prompt packed at its lookup
+            (PackedTokens, as the server does) so that only the reply's
+            REPLY tokens are packed; the peer has only the token list. Every
+            other conversation is stored this way, the rest from the list.
+  lookup + index insert (packed) - what one turn costs the index, summed
   fetch   - lookup plus building the cache the caller owns (forced with mx.eval)
 Bytes held: each cache's own count, and the MLX memory actually held once the
 caller's arrays are gone.
@@ -32,11 +37,12 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, PromptTrie
 from mlx_lm.models.cache import LRUPromptCache as PeerCache
 
-from prompt_cache import PromptCache
+from prompt_cache import PackedTokens, PromptCache
 from prompt_cache.radix import TOKEN, Node, add_child, pack, split, walk
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 2, 2, 32, mx.float16
 TAIL = 512  # tokens of each conversation's own
+REPLY = 64  # of which the last reply
 BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 
 
@@ -74,6 +80,9 @@ class Ours:
     def insert(self, toks: list[int], kv: list[KVCache]) -> None:
         self.cache.insert("m", toks, kv)
 
+    def insert_packed(self, toks: list[int], prompt: PackedTokens, kv: list[KVCache]) -> None:
+        self.cache.insert("m", prompt.extend(toks[-REPLY:]), kv)
+
     def lookup(self, toks: list[int]) -> object:
         return self.cache.peek("m", toks)
 
@@ -85,7 +94,12 @@ class Ours:
         return got.n_cached
 
     def index_add(self, toks: list[int]) -> None:
-        key = pack(toks)
+        self._index_add(pack(toks))
+
+    def index_add_packed(self, toks: list[int], prompt: PackedTokens) -> None:
+        self._index_add(prompt.extend(toks[-REPLY:]))
+
+    def _index_add(self, key: bytes) -> None:
         w = walk(self.root, key)
         parent = w.nodes[-1] if w.nodes else self.root
         if w.partial:
@@ -104,6 +118,9 @@ class Peer:
     def insert(self, toks: list[int], kv: list[KVCache]) -> None:
         self.cache.insert_cache("m", toks, kv)
 
+    def insert_packed(self, toks: list[int], prompt: PackedTokens, kv: list[KVCache]) -> None:
+        self.insert(toks, kv)  # the peer has nothing else to take
+
     def lookup(self, toks: list[int]) -> object:
         found = self.cache._trie.search("m", toks)
         best = found.exact or found.longer or found.shorter
@@ -119,6 +136,9 @@ class Peer:
 
     def index_add(self, toks: list[int]) -> None:
         self.trie.add("m", toks, None)
+
+    def index_add_packed(self, toks: list[int], prompt: PackedTokens) -> None:
+        self.index_add(toks)
 
     def nbytes(self) -> int:
         return self.cache.nbytes
@@ -150,8 +170,13 @@ def run_pair(length: int, n_convs: int, shared: list[mx.array]) -> dict:
     for i in range(n_convs):
         toks = tokens_of(i, n_shared, length)
         kv = make_cache(shared, n_shared, length, seed=i)
-        record("insert_ms", paired(sides, "insert", (toks, kv), i))
-        record("index_insert_ms", paired(sides, "index_add", (toks,), i))
+        if i % 2 == 0:
+            record("insert_ms", paired(sides, "insert", (toks, kv), i))
+            record("index_insert_ms", paired(sides, "index_add", (toks,), i))
+        else:
+            prompt = PackedTokens.of(toks[:-REPLY])  # what its lookup packed
+            record("insert_packed_ms", paired(sides, "insert_packed", (toks, prompt, kv), i))
+            record("index_insert_packed_ms", paired(sides, "index_add_packed", (toks, prompt), i))
         del kv
     for i in range(0, n_convs, max(1, n_convs // 50)):
         nxt = tokens_of(i, n_shared, length) + [99999] * 64  # the next turn
@@ -165,6 +190,7 @@ def run_pair(length: int, n_convs: int, shared: list[mx.array]) -> dict:
         for kind, ops in times.items()
     }
     for kind in out:
+        out[kind]["turn_index_ms"] = out[kind]["lookup_ms"] + out[kind]["index_insert_packed_ms"]
         out[kind]["bytes_counted"] = sides[kind].nbytes()
     # What each holds: MLX memory that goes when its cache goes (the caller's
     # arrays are gone; the peer keeps references to them, ours its own copies).
@@ -195,7 +221,7 @@ def main() -> None:
         f"KV shape: {LAYERS} layers x {KV_HEADS} heads x {HEAD_DIM} dims, float16 "
         f"({BYTES_PER_TOKEN} B/token); each conversation = shared prompt + {TAIL} own tokens"
     )
-    header = f"{'tokens':>6} {'convs':>5} {'op':<14} {'ours':>12} {'peer':>12} {'peer/ours':>10}"
+    header = f"{'tokens':>6} {'convs':>5} {'op':<22} {'ours':>12} {'peer':>12} {'peer/ours':>10}"
     print(header)
     for length, n in configs:
         got = run_pair(length, n, shared)
@@ -205,7 +231,10 @@ def main() -> None:
             "lookup_ms",
             "search_ms",
             "insert_ms",
+            "insert_packed_ms",
             "index_insert_ms",
+            "index_insert_packed_ms",
+            "turn_index_ms",
             "fetch_ms",
             "bytes_counted",
             "bytes_held",
@@ -213,7 +242,7 @@ def main() -> None:
             o, p = ours[key], peer[key]
             fmt = "{:12.3f}" if key.endswith("ms") else "{:12,d}"
             ratio = p / o if o else float("inf")
-            print(f"{length:>6} {n:>5} {key:<14} {fmt.format(o)} {fmt.format(p)} {ratio:>9.1f}x")
+            print(f"{length:>6} {n:>5} {key:<22} {fmt.format(o)} {fmt.format(p)} {ratio:>9.1f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))
     print(f"wrote {args.out}")
