@@ -102,7 +102,7 @@ class Request:
     params: SamplingParams
     emit: Callable[[Event], None]
     cache_key: Any = None  # the prompt-cache model key: this model, in this tenant's namespace
-    packed: PackedTokens = PackedTokens()  # `tokens`, packed once for every cache lookup and insert
+    packed: PackedTokens = field(init=False)  # `tokens`, packed once for every lookup and insert
     cancelled: bool = False
     uid: int = -1
     generated: int = 0
@@ -111,6 +111,9 @@ class Request:
     prefilling: bool = False
     boundary: int = 0  # tokens of a prefix shared with waiting requests, cached once prefilled
     followers: list[Request] = field(default_factory=list)  # waiting for that prefix
+
+    def __post_init__(self) -> None:
+        self.packed = PackedTokens.of(self.tokens)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -235,8 +238,7 @@ class Engine:
         emit: Callable,
         namespace: str | None = None,
     ) -> Request:
-        tokens = list(tokens)
-        request = Request(tokens, params, emit, self.cache_key(namespace), PackedTokens.of(tokens))
+        request = Request(list(tokens), params, emit, self.cache_key(namespace))
         self._inbox.put(request)
         return request
 

@@ -51,8 +51,8 @@ class PackedTokens(bytes):
     The cache's `fetch`, `peek` and `insert` take one in place of a token list.
     Packing is all of an index operation's Python-level work (about 10 ns a token),
     so a server that packs each prompt on arrival and stores prompt + reply as
-    `prompt.extend(reply)` packs only the reply at insert. Plain `bytes` are never
-    taken for tokens: only this type says the bytes are packed tokens.
+    `prompt.extend(reply)` packs only the reply at insert. Plain `bytes` are not
+    taken as packed: only this type says they are.
     """
 
     __slots__ = ()

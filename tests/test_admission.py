@@ -94,7 +94,7 @@ def test_a_running_request_shares_its_prompt_at_once(tiny_model_dir, uncached_cl
 
 def test_a_requests_states_are_keyed_by_the_prompt_packed_on_arrival():
     prompt = [5, 6, 7, 8]
-    request = Request(prompt, SamplingParams(max_tokens=4), print, packed=PackedTokens.of(prompt))
+    request = Request(prompt, SamplingParams(max_tokens=4), print)
     for state in ([5, 6], prompt, [*prompt, 9, 10]):  # a shared prefix, the prompt, prompt + reply
         key = _packed(request, state)
         assert isinstance(key, PackedTokens) and key == pack(state)
