@@ -100,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .blas import describe as describe_blas
+    from .engine import unmap_large_blocks
     from .server import build_engine, create_app, weights_dtype
     from .settings import describe_size, load_settings
 
@@ -122,6 +123,7 @@ def serve(args: argparse.Namespace) -> int:
         except FileNotFoundError as e:
             print(f"mlx-cache-server: {e}", file=sys.stderr)
             return 2
+    unmap_large_blocks()  # before the model's buffers are allocated
     engine = build_engine(settings, model_path)
     blas, fast = describe_blas()
     log.info(

@@ -151,6 +151,31 @@ def _load_libc() -> Any:
 _libc = _load_libc()
 
 
+_M_MMAP_THRESHOLD, _M_MMAP_MAX = -3, -4
+
+
+def unmap_large_blocks(threshold: int = 1 << 20, max_blocks: int = 32768) -> bool:
+    """Have glibc map every block of `threshold` bytes or more on its own, for the process.
+
+    glibc does that by default, but raises the threshold (up to 32 MiB) each time
+    such a block is freed; after that, a batch's multi-MiB KV buffers come from its
+    heaps, where freed ones stay resident. Pinned, they go back to the system when
+    freed: 16 concurrent chats (bench/multiturn.py, workload 2) peaked at about
+    1445 MiB instead of 1730. At 1 MiB, blocks the size of one turn's activations
+    or a cache segment still come from the heaps (the idle trim returns those):
+    pinned at 128 KiB, every turn faulted them in afresh, about 25 ms a warm turn
+    (bench/warm_paired.py), for no lower peak. Past `max_blocks` mapped blocks
+    glibc uses its heaps again, well under the kernel's limit on mappings (65530
+    by default). Call it before loading the model; False where the C library is
+    not glibc.
+    """
+    if _libc is None:
+        return False
+    return bool(
+        _libc.mallopt(_M_MMAP_THRESHOLD, threshold) and _libc.mallopt(_M_MMAP_MAX, max_blocks)
+    )
+
+
 def _packed(request: Request, tokens: list[int]) -> PackedTokens | list[int]:
     """A state's tokens for the cache: the request's prompt was packed on arrival.
 
