@@ -66,8 +66,9 @@ def test_the_heap_is_trimmed_each_time_the_engine_goes_idle(tiny_model_dir, monk
 
 FREE_AND_MEASURE = r"""
 import ctypes, sys
-from app.engine import _trim_heap
+from app.engine import _trim_heap, unmap_large_blocks
 
+block, count, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -77,69 +78,41 @@ def rss():
     status = open("/proc/self/status").read().splitlines()
     return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) << 10
 
-# Blocks under glibc's mmap threshold come from the heap, as KV buffers do once
-# glibc has raised its threshold.
-blocks = [libc.malloc(64 << 10) for _ in range(1024)]
+if how == "pin":
+    assert unmap_large_blocks()
+libc.free(libc.malloc(block))  # unpinned, glibc now serves blocks of this size from its heap
+blocks = [libc.malloc(block) for _ in range(count)]
 for p in blocks:
-    ctypes.memset(p, 1, 64 << 10)
+    ctypes.memset(p, 1, block)
+before = rss()
 for p in blocks[:-1]:  # the last one stays, as a cache segment would, so the heap cannot shrink
     libc.free(p)
-before = rss()
-if sys.argv[1] == "trim":
+if how == "trim":
     _trim_heap()
 print((before - rss()) >> 20)
 """
 
 
-@pytest.mark.skipif(engine_module._libc is None, reason="glibc only")
-@pytest.mark.parametrize("mode", ["trim", "no trim"])
-def test_trimming_returns_freed_heap_pages_to_the_system(mode):
+def returned_mib(block: int, count: int, how: str) -> int:
+    """MiB of RSS a fresh process gets back after freeing all but the last of `count` blocks."""
     out = subprocess.run(
-        [sys.executable, "-c", FREE_AND_MEASURE, mode], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", FREE_AND_MEASURE, str(block), str(count), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    returned_mib = int(out.stdout.split()[-1])
-    if mode == "trim":
-        assert returned_mib >= 56  # 64 MiB freed
-    else:  # what the trim changes: glibc keeps them
-        assert returned_mib <= 8
-
-
-UNMAP_AND_MEASURE = r"""
-import ctypes, sys
-from app.engine import unmap_large_blocks
-
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.malloc.argtypes = [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-
-def rss():
-    status = open("/proc/self/status").read().splitlines()
-    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) << 10
-
-if sys.argv[1] == "pinned":
-    assert unmap_large_blocks()
-libc.free(libc.malloc(2 << 20))  # unpinned, glibc now serves 2 MiB blocks from its heap
-blocks = [libc.malloc(2 << 20) for _ in range(32)]
-for p in blocks:
-    ctypes.memset(p, 1, 2 << 20)
-before = rss()
-for p in blocks[:-1]:  # the last one stays, as a cache segment would
-    libc.free(p)
-print((before - rss()) >> 20)
-"""
+    return int(out.stdout.split()[-1])
 
 
 @pytest.mark.skipif(engine_module._libc is None, reason="glibc only")
-@pytest.mark.parametrize("mode", ["pinned", "default"])
-def test_freed_large_blocks_go_back_to_the_system_at_once(mode):
-    out = subprocess.run(
-        [sys.executable, "-c", UNMAP_AND_MEASURE, mode], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    returned_mib = int(out.stdout.split()[-1])
-    if mode == "pinned":
-        assert returned_mib >= 56  # 62 MiB freed
-    else:  # what the pin changes: glibc keeps them until trimmed
-        assert returned_mib <= 8
+def test_trimming_returns_freed_heap_pages_to_the_system():
+    # Blocks the size of a cache segment stay under the pinned threshold, in the heap.
+    assert returned_mib(64 << 10, 1024, "trim") >= 56  # 64 MiB freed
+    assert returned_mib(64 << 10, 1024, "neither") <= 8  # what the trim changes: glibc keeps them
+
+
+@pytest.mark.skipif(engine_module._libc is None, reason="glibc only")
+def test_freed_large_blocks_go_back_to_the_system_at_once():
+    assert returned_mib(2 << 20, 32, "pin") >= 56  # 62 MiB freed
+    assert returned_mib(2 << 20, 32, "neither") <= 8  # what the pin changes: glibc keeps them
