@@ -149,8 +149,6 @@ def _load_libc() -> Any:
 
 
 _libc = _load_libc()
-
-
 _M_MMAP_THRESHOLD, _M_MMAP_MAX = -3, -4
 
 
@@ -164,10 +162,10 @@ def unmap_large_blocks(threshold: int = 1 << 20, max_blocks: int = 32768) -> boo
     1445 MiB instead of 1730. At 1 MiB, blocks the size of one turn's activations
     or a cache segment still come from the heaps (the idle trim returns those):
     pinned at 128 KiB, every turn faulted them in afresh, about 25 ms a warm turn
-    (bench/warm_paired.py), for no lower peak. Past `max_blocks` mapped blocks
-    glibc uses its heaps again, well under the kernel's limit on mappings (65530
-    by default). Call it before loading the model; False where the C library is
-    not glibc.
+    (bench/warm_paired.py), for a peak at most 13 MiB lower (bench/overflow_sweep.py).
+    Past `max_blocks` mapped blocks glibc uses its heaps again, well under the
+    kernel's limit on mappings (65530 by default). Call it before loading the
+    model; False where the C library is not glibc.
     """
     if _libc is None:
         return False
