@@ -100,7 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .blas import describe as describe_blas
-    from .engine import unmap_large_blocks
+    from .engine import limit_buffer_pool, unmap_large_blocks
     from .server import build_engine, create_app, weights_dtype
     from .settings import describe_size, load_settings
 
@@ -124,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"mlx-cache-server: {e}", file=sys.stderr)
             return 2
     unmap_large_blocks()  # before the model's buffers are allocated
+    limit_buffer_pool()
     engine = build_engine(settings, model_path)
     blas, fast = describe_blas()
     log.info(

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import mlx.core as mx
 import pytest
 
 import app.engine as engine_module
@@ -116,3 +117,31 @@ def test_trimming_returns_freed_heap_pages_to_the_system():
 def test_freed_large_blocks_go_back_to_the_system_at_once():
     assert returned_mib(2 << 20, 32, "pin") >= 56  # 62 MiB freed
     assert returned_mib(2 << 20, 32, "neither") <= 8  # what the pin changes: glibc keeps them
+
+
+POOLED_AFTER_FREE = r"""
+import sys
+import mlx.core as mx
+from app.engine import limit_buffer_pool
+
+if sys.argv[1] == "limit":
+    assert limit_buffer_pool(4 << 20)
+a = mx.arange(8 << 20, dtype=mx.float32)  # 32 MiB, the size of a long prefill's activations
+mx.eval(a)
+del a
+print(mx.get_cache_memory())
+"""
+
+
+def pooled_after_free(how: str) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", POOLED_AFTER_FREE, how], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="limited on the CPU only")
+def test_the_cpu_buffer_pool_keeps_at_most_its_limit():
+    assert pooled_after_free("limit") <= 4 << 20
+    assert pooled_after_free("default") >= 32 << 20  # what the limit changes: MLX keeps it all
