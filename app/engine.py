@@ -182,8 +182,9 @@ def limit_buffer_pool(limit: int = 4 << 20) -> bool:
     cache's budget: workload 3 of bench/overflow_sweep.py at 0.6 of its budget peaked
     at 821 MiB against 790 with 4 MiB pooled (786 with none, 794 with 8 MiB). Warm
     turns paired against the default pool (25 pairs, twice) took 1.6-2.1% longer, with
-    none pooled 6%: on the CPU, malloc serves a fresh buffer nearly as fast. GPU
-    allocations cost more, so Metal and CUDA keep MLX's default. False if not on the CPU.
+    none pooled 6%: on the CPU, malloc serves a fresh buffer nearly as fast. Metal and
+    CUDA, not measured here and where a fresh buffer costs a driver call, keep MLX's
+    default. False if not on the CPU.
     """
     if mx.default_device().type != mx.cpu:
         return False
