@@ -94,16 +94,18 @@ print((before - rss()) >> 20)
 """
 
 
-def returned_mib(block: int, count: int, how: str) -> int:
-    """MiB of RSS a fresh process gets back after freeing all but the last of `count` blocks."""
+def probe(script: str, *args: object) -> int:
+    """Run `script` in a fresh process (allocator settings are process-wide); its last number."""
     out = subprocess.run(
-        [sys.executable, "-c", FREE_AND_MEASURE, str(block), str(count), how],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
     return int(out.stdout.split()[-1])
+
+
+def returned_mib(block: int, count: int, how: str) -> int:
+    """MiB of RSS a fresh process gets back after freeing all but the last of `count` blocks."""
+    return probe(FREE_AND_MEASURE, block, count, how)
 
 
 @pytest.mark.skipif(engine_module._libc is None, reason="glibc only")
@@ -133,15 +135,7 @@ print(mx.get_cache_memory())
 """
 
 
-def pooled_after_free(how: str) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", POOLED_AFTER_FREE, how], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout.split()[-1])
-
-
 @pytest.mark.skipif(mx.default_device().type != mx.cpu, reason="limited on the CPU only")
 def test_the_cpu_buffer_pool_keeps_at_most_its_limit():
-    assert pooled_after_free("limit") <= 4 << 20
-    assert pooled_after_free("default") >= 32 << 20  # what the limit changes: MLX keeps it all
+    assert probe(POOLED_AFTER_FREE, "limit") <= 4 << 20
+    assert probe(POOLED_AFTER_FREE, "default") >= 32 << 20  # what the limit changes: all kept
