@@ -332,11 +332,7 @@ class Engine:
                     continue
                 self._drop_cancelled(gen, active)
                 if active:
-                    prefills, responses = gen.next()
-                    for progress in prefills:
-                        self._on_prefill(gen, progress, active)
-                    for response in responses:
-                        self._on_token(gen, response, active)
+                    self._step(gen, active)
                 if not active:  # the last request just left
                     _trim_heap()
                     idle_since = time.monotonic()
@@ -358,6 +354,20 @@ class Engine:
         if gen is not None:
             gen.close()
         mx.synchronize()  # finish the cache's asynchronous copies before the thread ends
+
+    def _step(self, gen: BatchGenerator, active: dict[int, Request]) -> None:
+        """One prefill or decode step of the batch, its results handled.
+
+        A method of its own so the step's responses die with it: a finished
+        sequence's response holds its whole KV, which, left in a loop variable,
+        stayed alive until the next step, while the next request's own KV was
+        fetched and prefilled (one conversation's KV over the cache's budget).
+        """
+        prefills, responses = gen.next()
+        for progress in prefills:
+            self._on_prefill(gen, progress, active)
+        for response in responses:
+            self._on_token(gen, response, active)
 
     def _take(self, block: bool) -> list[Request]:
         taken = []

@@ -139,3 +139,37 @@ print(mx.get_cache_memory())
 def test_the_cpu_buffer_pool_keeps_at_most_its_limit():
     assert probe(POOLED_AFTER_FREE, "limit") <= 4 << 20
     assert probe(POOLED_AFTER_FREE, "default") >= 32 << 20  # what the limit changes: all kept
+
+
+HELD_AFTER_A_REQUEST = r"""
+import os, sys, threading, time
+import mlx.core as mx
+from app.engine import Failed, Finished, SamplingParams
+from app.server import build_engine
+from app.settings import Settings
+
+engine = build_engine(Settings(), sys.argv[1])
+prompt = engine.tokenizer.encode("hello there, how are you? " * 80)
+engine.start()
+before = mx.get_active_memory()
+done = threading.Event()
+def emit(event):
+    if isinstance(event, Finished | Failed):
+        done.set()
+engine.submit(prompt, SamplingParams(max_tokens=4, temperature=0), emit)
+assert done.wait(60)
+while engine.running:  # zero once the step that finished it has returned
+    time.sleep(0.01)
+time.sleep(0.2)
+held = mx.get_active_memory() - before - engine.cache.nbytes
+engine.stop()
+print(len(prompt), 100 * held // engine.cache.nbytes, flush=True)
+os._exit(0)  # MLX's threads can abort interpreter teardown (see app.cli)
+"""
+
+
+def test_an_idle_engine_holds_no_kv_beyond_what_the_cache_stores(tiny_model_dir):
+    # The finished request's KV is in the cache (copied); its own copy must be gone,
+    # or the next request's peak carries one conversation's KV over the cache's budget.
+    held_percent = probe(HELD_AFTER_A_REQUEST, tiny_model_dir)
+    assert held_percent <= 10
