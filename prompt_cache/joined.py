@@ -6,8 +6,16 @@ all again into its batch buffer. Here the join is left lazy (MLX evaluates on
 use, so code that runs the cache directly pays one concatenation), and `merge`
 writes each segment straight into the batch buffer: one copy either way.
 
+A lone cache the caller has already run on (the server prefills a request on
+its own before it joins the batch) is not copied at all: the batch takes views
+of its buffers. And the batch hands a finished sequence's KV out as views of its
+buffer instead of copies, since `PromptCache.insert` copies what it keeps
+anyway. Each of these copies was one more sequence's KV at the peak of a request.
+
 Invariant: `parts` describe the cache only while the caller has not changed it
 (same `keys` object, same `offset`); otherwise `merge` reads `keys`/`values`.
+MLX arrays are values: a view stays what it was when the batch later writes
+into its buffer (MLX copies the buffer first if a view still holds it).
 """
 
 from __future__ import annotations
@@ -44,7 +52,14 @@ class JoinedKVCache(KVCache):
         lengths = [c.size() for c in caches]
         longest = max(lengths)
         if longest == 0:
-            return BatchKVCache([0] * len(caches))
+            return ViewBatchKVCache([0] * len(caches))
+        (only,) = caches if len(caches) == 1 else (None,)
+        if only is not None and not (isinstance(only, JoinedKVCache) and only._untouched()):
+            batch = ViewBatchKVCache([0])
+            batch.keys, batch.values = only.keys[...], only.values[...]
+            batch.offset += longest
+            batch._idx = longest
+            return batch
         padding = [longest - n for n in lengths]
         first = next(c for c in caches if c.keys is not None)
         heads = max(c.keys.shape[1] for c in caches if c.keys is not None)
@@ -63,11 +78,28 @@ class JoinedKVCache(KVCache):
                 keys[i : i + 1, :, at : at + n] = k
                 values[i : i + 1, :, at : at + n] = v
                 at += n
-        batch = BatchKVCache(padding)
+        batch = ViewBatchKVCache(padding)
         batch.keys, batch.values = keys, values
         batch.offset += longest
         batch._idx = longest
         return batch
+
+
+class ViewBatchKVCache(BatchKVCache):
+    """mlx-lm's batch cache, handing a sequence's KV out as views of its buffer.
+
+    `BatchKVCache.extract` copies, so that what mlx-lm's own server stores does not
+    hold the batch's buffer; `PromptCache.insert` copies the tokens it keeps, so
+    here the copy would only be one more sequence's KV at once.
+    """
+
+    def extract(self, idx: int) -> KVCache:
+        cache = KVCache()
+        padding = self.left_padding.tolist()[idx]
+        cache.keys = self.keys[idx : idx + 1, :, padding : self._idx]
+        cache.values = self.values[idx : idx + 1, :, padding : self._idx]
+        cache.offset = cache.keys.shape[2]
+        return cache
 
 
 def _join(parts: list[mx.array]) -> mx.array:

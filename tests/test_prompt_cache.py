@@ -398,3 +398,74 @@ def test_joined_cache_extended_in_place_equals_a_plain_one():
     assert same_state(cache.fetch("m", b + [3]).cache, kv_cache(b))  # the store is untouched
     merged = type(joined[0]).merge([joined[0], plain[0]])
     assert np.array_equal(np.array(merged.keys[0]), np.array(merged.keys[1]))
+
+
+def _grown_by_one(tokens: list[int]) -> tuple[list, list]:
+    """A fetched (joined) cache of `tokens` run on for one more token, and the plain equal."""
+    cache = PromptCache()
+    cache.insert("m", tokens, kv_cache(tokens))
+    joined = cache.fetch("m", tokens + [1]).cache
+    plain = kv_cache(tokens)
+    last = kv_cache(tokens + [1])
+    for j, p, ref in zip(joined, plain, last, strict=True):
+        k, v = ref.keys[..., -1:, :], ref.values[..., -1:, :]
+        j.update_and_fetch(k, v)
+        p.update_and_fetch(k, v)
+    mx.eval([c.state for c in joined + plain])
+    return joined, plain
+
+
+def _reset_peak() -> int:
+    """MLX's memory in use now, from which its peak is counted again."""
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
+def _decode_step(caches: list) -> None:
+    for c in caches:
+        c.update_and_fetch(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+
+
+def test_a_lone_cache_already_run_on_joins_the_batch_without_a_copy():
+    tokens = [t % 1000 for t in range(1 << 16)]  # 8 MiB of KV
+    joined, plain = _grown_by_one(tokens)
+    before = _reset_peak()
+    batch = [type(c).merge([c]) for c in joined]
+    del joined  # as the server does once the batch holds it
+    _decode_step(batch)  # fits in the room the cache already has: nothing to grow
+    mx.eval([(b.keys, b.values) for b in batch])
+    assert mx.get_peak_memory() - before < len(tokens) * BYTES_PER_TOKEN // 8
+
+
+def test_a_lone_cache_merged_into_a_batch_equals_mlx_lms_merge():
+    from mlx_lm.models.cache import BatchKVCache
+
+    joined, plain = _grown_by_one([t % 1000 for t in range(300)])
+    batch = [type(c).merge([c]) for c in joined]
+    want = [BatchKVCache.merge([p]) for p in plain]
+    _decode_step(batch)
+    _decode_step(want)
+    for b, w in zip(batch, want, strict=True):
+        for got_a, want_a in zip(b.keys_and_values(), w.keys_and_values(), strict=True):
+            assert np.array_equal(np.array(got_a), np.array(want_a))
+        assert b.offset.tolist() == w.offset.tolist() == [302]
+        assert b.left_padding.tolist() == w.left_padding.tolist()
+    assert same_state(joined, plain)  # the batch wrote on; the cache it came from did not change
+
+
+def test_the_batch_hands_a_sequence_out_without_a_copy():
+    tokens = [t % 1000 for t in range(1 << 16)]
+    joined, plain = _grown_by_one(tokens)
+    batch = [type(c).merge([c]) for c in joined]
+    _decode_step(batch)  # the batch's buffer now has room to spare, as while generating
+    _decode_step(plain)
+    mx.eval([(b.keys, b.values) for b in batch])
+    assert batch[0].keys.shape[2] > batch[0]._idx  # so a copy would not be a no-op
+    before = _reset_peak()
+    out = [b.extract(0) for b in batch]
+    mx.eval([c.state for c in out])
+    assert mx.get_peak_memory() - before < len(tokens) * BYTES_PER_TOKEN // 8
+    assert same_state(out, plain)
+    for b in batch:  # the batch writes on; what was handed out stays as it was
+        b.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    assert same_state(out, plain)
