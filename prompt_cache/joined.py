@@ -53,7 +53,7 @@ class JoinedKVCache(KVCache):
         longest = max(lengths)
         if longest == 0:
             return ViewBatchKVCache([0] * len(caches))
-        (only,) = caches if len(caches) == 1 else (None,)
+        only = caches[0] if len(caches) == 1 else None
         if only is not None and not (isinstance(only, JoinedKVCache) and only._untouched()):
             batch = ViewBatchKVCache([0])
             batch.keys, batch.values = only.keys[...], only.values[...]
