@@ -23,9 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 
-from prompt_cache import PackedTokens, PromptCache
+from prompt_cache import PackedTokens, PromptCache, fresh_cache
 from prompt_cache.radix import common_prefix_length
 
 from .last_logits import last_logits
@@ -501,7 +500,7 @@ class Engine:
         one forward pass.
         """
         tokens, p = request.tokens, request.params
-        cache = cache or make_prompt_cache(self.model)
+        cache = cache or fresh_cache(self.model)
         step = self.prefill_step_size
         with mx.stream(gen.stream):
             *chunks, last = range(n, len(tokens), step)

@@ -11,6 +11,7 @@ its own before it joins the batch) is not copied at all: the batch takes views
 of its buffers. And the batch hands a finished sequence's KV out as views of its
 buffer instead of copies, since `PromptCache.insert` copies what it keeps
 anyway. Each of these copies was one more sequence's KV at the peak of a request.
+A prompt with nothing cached gets the same from `fresh_cache(model)`.
 
 Invariant: `parts` describe the cache only while the caller has not changed it
 (same `keys` object, same `offset`); otherwise `merge` reads `keys`/`values`.
@@ -20,8 +21,10 @@ into its buffer (MLX copies the buffer first if a view still holds it).
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 
 class JoinedKVCache(KVCache):
@@ -83,6 +86,22 @@ class JoinedKVCache(KVCache):
         batch.offset += longest
         batch._idx = longest
         return batch
+
+
+class FreshKVCache(KVCache):
+    """A `KVCache` for a prompt with nothing cached, joining a batch as `JoinedKVCache` does.
+
+    mlx-lm's own merge would copy it into the batch, and the batch copy it out again.
+    """
+
+    @classmethod
+    def merge(cls, caches: list[KVCache]) -> BatchKVCache:
+        return JoinedKVCache.merge(caches)
+
+
+def fresh_cache(model: Any) -> list[Any]:
+    """`make_prompt_cache(model)`, its plain KV layers as `FreshKVCache`s."""
+    return [FreshKVCache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
 
 
 class ViewBatchKVCache(BatchKVCache):

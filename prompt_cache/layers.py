@@ -25,13 +25,13 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .joined import JoinedKVCache
+from .joined import FreshKVCache, JoinedKVCache
 
 # Per layer, the arrays of a token range, each with tokens on axis 2.
 Segment = tuple[tuple[mx.array, ...], ...]
 
 # By exact type: subclasses may hold more state than these arrays.
-_SLICEABLE = (KVCache, QuantizedKVCache, JoinedKVCache)
+_SLICEABLE = (KVCache, QuantizedKVCache, JoinedKVCache, FreshKVCache)
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,16 @@ def layout_of(cache: list[Any]) -> Layout:
                 raise ValueError("cannot store an empty layer cache")
             if _arrays(c)[0].shape[0] != 1:
                 raise ValueError("only batch-size-1 caches can be stored")
-            kind = KVCache if type(c) is JoinedKVCache else type(c)
-            kinds.append((kind, getattr(c, "group_size", None), getattr(c, "bits", None)))
+            kinds.append((_kind(c), getattr(c, "group_size", None), getattr(c, "bits", None)))
         if len({c.offset for c in cache}) != 1:
             raise ValueError("layers of one cache disagree on their token count")
         return Layout(True, tuple(kinds))
-    return Layout(False, tuple((type(c),) for c in cache))
+    return Layout(False, tuple((_kind(c),) for c in cache))
+
+
+def _kind(layer: Any) -> type:
+    # Our KVCache subclasses only change how a cache joins a batch: same state.
+    return KVCache if type(layer) in (JoinedKVCache, FreshKVCache) else type(layer)
 
 
 def length(cache: list[Any]) -> int:

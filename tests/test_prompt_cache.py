@@ -469,3 +469,25 @@ def test_the_batch_hands_a_sequence_out_without_a_copy():
     for b in batch:  # the batch writes on; what was handed out stays as it was
         b.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
     assert same_state(out, plain)
+
+
+def test_a_fresh_cache_joins_the_batch_without_a_copy_and_is_stored_as_a_plain_one():
+    from prompt_cache.joined import FreshKVCache
+
+    tokens = [t % 1000 for t in range((1 << 16) - 100)]  # room left in its last block
+    plain = kv_cache(tokens)
+    fresh = [FreshKVCache() for _ in plain]
+    for layer in range(len(plain)):  # a prefill, as for a prompt with nothing cached
+        fresh[layer].update_and_fetch(plain[layer].keys, plain[layer].values)
+    mx.eval([c.state for c in fresh])
+    cache = PromptCache()
+    assert cache.insert("m", tokens, fresh)
+    other = [7, 8, 9]
+    assert cache.insert("m", other, kv_cache(other))  # one layout, whichever class filled it
+    assert same_state(cache.fetch("m", tokens + [1]).cache, plain)
+    before = _reset_peak()
+    batch = [type(c).merge([c]) for c in fresh]
+    del fresh  # nothing else may hold a layer, or the batch's first write copies its buffer
+    _decode_step(batch)
+    mx.eval([(b.keys, b.values) for b in batch])
+    assert mx.get_peak_memory() - before < len(tokens) * BYTES_PER_TOKEN // 8
