@@ -58,11 +58,7 @@ class JoinedKVCache(KVCache):
             return ViewBatchKVCache([0] * len(caches))
         only = caches[0] if len(caches) == 1 else None
         if only is not None and not (isinstance(only, JoinedKVCache) and only._untouched()):
-            batch = ViewBatchKVCache([0])
-            batch.keys, batch.values = only.keys[...], only.values[...]
-            batch.offset += longest
-            batch._idx = longest
-            return batch
+            return _batch([0], only.keys[...], only.values[...], longest)
         padding = [longest - n for n in lengths]
         first = next(c for c in caches if c.keys is not None)
         heads = max(c.keys.shape[1] for c in caches if c.keys is not None)
@@ -81,11 +77,16 @@ class JoinedKVCache(KVCache):
                 keys[i : i + 1, :, at : at + n] = k
                 values[i : i + 1, :, at : at + n] = v
                 at += n
-        batch = ViewBatchKVCache(padding)
-        batch.keys, batch.values = keys, values
-        batch.offset += longest
-        batch._idx = longest
-        return batch
+        return _batch(padding, keys, values, longest)
+
+
+def _batch(padding: list[int], keys: mx.array, values: mx.array, length: int) -> BatchKVCache:
+    """A batch cache over `keys`/`values`, `length` tokens (left padding included) filled."""
+    batch = ViewBatchKVCache(padding)
+    batch.keys, batch.values = keys, values
+    batch.offset += length
+    batch._idx = length
+    return batch
 
 
 class FreshKVCache(KVCache):
