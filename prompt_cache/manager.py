@@ -26,6 +26,8 @@ the state of a sequence. Rules:
   the bytes freed (MLX cannot free part of a buffer, so what is kept of the
   last segment is copied).
   Nodes a running fetch or insert uses are pinned and never removed under it.
+  An insert whose model was cleared while it copied, taking the whole tree, is
+  refused: every byte counted is in a tree a fetch can reach.
   An insert that cannot fit is refused, so the byte count never exceeds
   `max_bytes`, at any moment a reader can observe.
 - Bytes are the bytes of the arrays held for the tokens stored, not buffer
@@ -259,6 +261,12 @@ class PromptCache:
                 self._unpin(tree, w.nodes)
             raise
         with self._lock:
+            if self._trees.get(model) is not tree:
+                # A clear dropped the whole tree meanwhile (nothing on the walk was pinned
+                # to keep it): what this insert would attach could never be found again.
+                self._unpin(tree, w.nodes)
+                tree.stats.rejected += 1
+                return False
             # The pinned path was not removed meanwhile, so it can only have grown.
             w2 = w if tree.version == version else walk(tree.root, key)
             anchor = self._anchor(tree, w2, n, prep)
