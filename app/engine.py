@@ -23,13 +23,14 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import greedy_sampler
 
 from prompt_cache import PackedTokens, PromptCache, fresh_cache
 from prompt_cache.radix import common_prefix_length
 
 from .last_logits import last_logits
 from .sampling import make_processors, make_sampler
-from .text import StopMatcher
+from .text import StopMatcher, token_bytes
 
 log = logging.getLogger("mlx_cache_server.engine")
 
@@ -50,11 +51,16 @@ class SamplingParams:
 
 
 @dataclass
-class TokenLogprob:
+class Candidate:
     token: int
     text: str
+    bytes: bytes  # the token's own bytes: part of a character for some tokens
     logprob: float
-    top: list[tuple[int, str, float]]
+
+
+@dataclass
+class TokenLogprob(Candidate):
+    top: list[Candidate] = field(default_factory=list)
 
 
 @dataclass
@@ -110,12 +116,51 @@ class Request:
     prefilling: bool = False
     boundary: int = 0  # tokens of a prefix shared with waiting requests, cached once prefilled
     followers: list[Request] = field(default_factory=list)  # waiting for that prefix
+    fault: Exception | None = None  # raised by this request's own sampler or processors
+    ended: bool = False  # its last event (Finished or Failed) was sent
 
     def __post_init__(self) -> None:
         self.packed = PackedTokens.of(self.tokens)
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def end(self, event: Finished | Failed) -> None:
+        """Send the last event; a request ends once, whatever fails around it."""
+        if not self.ended:
+            self.ended = True
+            self.emit(event)
+
+
+def _guarded(request: Request, fn: Callable, fallback: Callable) -> Callable:
+    """`fn` for one row of the batch, with what it raises kept on its request.
+
+    A request's sampler and logits processors run inside the batch's step, so an
+    exception from one would abort the step for every request in it. Guarded, the
+    step completes (this row gets `fallback`'s harmless result) and the engine then
+    fails that request alone.
+    """
+
+    def call(*args: Any) -> Any:
+        if request.fault is None:
+            try:
+                return fn(*args)
+            except Exception as e:
+                request.fault = e
+        return fallback(*args)
+
+    return call
+
+
+def _unchanged(_: mx.array, logits: mx.array) -> mx.array:
+    return logits
+
+
+def _with_followers(requests: list[Request]) -> list[Request]:
+    out = []
+    for request in requests:
+        out += [request, *_with_followers(request.followers)]
+    return out
 
 
 def _release_memory() -> None:
@@ -280,6 +325,8 @@ class Engine:
     ) -> Request:
         request = Request(list(tokens), params, emit, self.cache_key(namespace))
         self._inbox.put(request)
+        if self._stopping.is_set() and not self.alive:  # no thread will take it any more
+            self._fail([*self._take(block=False)], "The server is shutting down.")
         return request
 
     async def stream(
@@ -314,6 +361,7 @@ class Engine:
         active: dict[int, Request] = {}
         idle_since: float | None = None  # set when the last request ended; None once released
         while not self._stopping.is_set():
+            new: list[Request] = []
             try:
                 new = self._take(block=not active)
                 if new:
@@ -332,15 +380,16 @@ class Engine:
                 self._drop_cancelled(gen, active)
                 if active:
                     self._step(gen, active)
+                    self._drop_faulted(gen, active)
                 if not active:  # the last request just left
                     _trim_heap()
                     idle_since = time.monotonic()
-            except Exception as e:  # keep serving: fail what was running, start afresh
+            except Exception:  # keep serving: fail what was running, start afresh
+                # Whatever a request supplies runs guarded (`_guarded`), so what lands here
+                # is the batch's own failure. Requests taken but not yet admitted fail too:
+                # nobody is left waiting for an event that will never come.
                 log.exception("generation failed")
-                everyone = [x for r in active.values() for x in (r, *r.followers)]
-                for request in everyone:
-                    request.emit(Failed(f"generation failed: {e}"))
-                self.stats.failed += len(everyone)
+                self._fail([*new, *active.values()], "Generation failed on the server. Retry.")
                 active.clear()
                 if gen is not None:
                     gen.close()
@@ -348,11 +397,17 @@ class Engine:
                 idle_since = time.monotonic()  # what the failed batch held can go back too
             finally:
                 self.running = len(active)
-        for request in [x for r in active.values() for x in (r, *r.followers)]:
-            request.emit(Failed("the server is shutting down"))
+        self._fail([*active.values(), *self._take(block=False)], "The server is shutting down.")
         if gen is not None:
             gen.close()
         mx.synchronize()  # finish the cache's asynchronous copies before the thread ends
+
+    def _fail(self, requests: list[Request], message: str) -> None:
+        """End these requests and those waiting on them with `message`, each once."""
+        for request in dict.fromkeys(_with_followers(requests)):
+            if not request.ended:
+                request.end(Failed(message))
+                self.stats.failed += 1
 
     def _step(self, gen: BatchGenerator, active: dict[int, Request]) -> None:
         """One prefill or decode step of the batch, its results handled.
@@ -366,7 +421,26 @@ class Engine:
         for progress in prefills:
             self._on_prefill(gen, progress, active)
         for response in responses:
-            self._on_token(gen, response, active)
+            if active[response.uid].fault is None:
+                self._on_token(gen, response, active)
+            elif response.finish_reason is not None:  # out of the batch already
+                self._fail_faulted(active.pop(response.uid))
+
+    def _drop_faulted(self, gen: BatchGenerator, active: dict[int, Request]) -> None:
+        """Take requests whose own sampler or processors raised out of the batch, and fail them."""
+        faulted = [uid for uid, request in active.items() if request.fault is not None]
+        if faulted:
+            gen.remove(faulted)
+            for uid in faulted:
+                self._fail_faulted(active.pop(uid))
+
+    def _fail_faulted(self, request: Request) -> None:
+        log.error("a request's sampling failed: %r", request.fault)
+        followers, request.followers = request.followers, []
+        request.end(Failed("Sampling failed for this request's parameters."))
+        self.stats.failed += 1
+        for follower in followers:  # they wait for a prefix, not for this request's output
+            self._inbox.put(follower)
 
     def _take(self, block: bool) -> list[Request]:
         taken = []
@@ -432,19 +506,16 @@ class Engine:
     ) -> None:
         try:
             self._start(gen, request, active, alone)
-        except Exception as e:  # this request and those waiting on it fail; the batch runs on
+        except Exception:  # this request and those waiting on it fail; the batch runs on
             log.exception("admitting a request failed")
-            failed = [request, *request.followers]
+            self._fail([request], "Generation failed on the server. Retry.")
             request.followers = []
-            for r in failed:
-                r.emit(Failed(f"generation failed: {e}"))
-            self.stats.failed += len(failed)
 
     def _start(
         self, gen: BatchGenerator, request: Request, active: dict[int, Request], alone: bool
     ) -> None:
         if request.cancelled:
-            request.emit(Finished("cancelled", 0))
+            request.end(Finished("cancelled", 0))
             self._release(gen, request, active)
             return
         tokens, p = request.tokens, request.params
@@ -455,7 +526,12 @@ class Engine:
         request.detok = self.tokenizer.detokenizer
         request.stops = StopMatcher(p.stop)
         sampler = make_sampler(p.temperature, p.top_p, p.top_k, p.min_p, p.seed)
-        processors = make_processors(p.logit_bias, p.presence_penalty, p.frequency_penalty)
+        if sampler is not greedy_sampler:  # one shared argmax lets the batch sample in one call
+            sampler = _guarded(request, sampler, greedy_sampler)
+        processors = [
+            _guarded(request, processor, _unchanged)
+            for processor in make_processors(p.logit_bias, p.presence_penalty, p.frequency_penalty)
+        ]
         self.stats.admitted += 1
         request.emit(Started(prompt_tokens=len(tokens), cached_tokens=n))
         # Prefilling here holds up the batch's decoding until done: for one step's
@@ -514,6 +590,9 @@ class Engine:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = sampler(logprobs)
             mx.eval(token, logprobs)
+        if request.fault is not None:
+            self._fail_faulted(request)
+            return
         first = int(token.item())
         finish = "stop" if first in self.tokenizer.eos_token_ids else None
         if finish is None and p.max_tokens <= 1:
@@ -578,7 +657,7 @@ class Engine:
     def _finish(self, request: Request, active: dict, last: Delta, reason: str) -> None:
         if last.text or last.logprobs:
             request.emit(last)
-        request.emit(Finished(reason, request.generated))
+        request.end(Finished(reason, request.generated))
         active.pop(request.uid, None)
         self.stats.finished += 1
 
@@ -590,7 +669,7 @@ class Engine:
         for uid in gone:
             self._store(active[uid], caches.get(uid))
             request = active.pop(uid)
-            request.emit(Finished("cancelled", request.generated))
+            request.end(Finished("cancelled", request.generated))
             self.stats.cancelled += 1
             self._release(gen, request, active)
 
@@ -610,12 +689,17 @@ class Engine:
         k = request.params.logprobs
         if k is None:
             return []
-        top: list[tuple[int, str, float]] = []
+        top: list[Candidate] = []
         if k > 0:
             ids = mx.argpartition(-lp, k - 1)[:k]
             vals = lp[ids]
             order = mx.argsort(-vals)
             ids, vals = ids[order].tolist(), vals[order].tolist()
-            top = [(i, self.tokenizer.decode([i]), v) for i, v in zip(ids, vals, strict=True)]
+            top = [self._candidate(i, v) for i, v in zip(ids, vals, strict=True)]
         token = int(token)
-        return [TokenLogprob(token, self.tokenizer.decode([token]), lp[token].item(), top)]
+        chosen = self._candidate(token, lp[token].item())
+        return [TokenLogprob(**chosen.__dict__, top=top)]
+
+    def _candidate(self, token: int, logprob: float) -> Candidate:
+        text = self.tokenizer.decode([token])
+        return Candidate(token, text, token_bytes(self.tokenizer, token), logprob)

@@ -103,6 +103,12 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
+    if req.top_k > engine.vocab_size:
+        raise APIError(
+            400,
+            f"top_k must be at most the vocabulary size, {engine.vocab_size}; got {req.top_k}.",
+            param="top_k",
+        )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > limits.max_stop_sequences:
         raise APIError(

@@ -1,7 +1,7 @@
 """Request and response bodies, in OpenAI's wire format.
 
 Unknown request fields are accepted and ignored, as OpenAI clients send many;
-known fields are type-checked and a wrong one is a 400 naming it.
+known fields are type-checked strictly and a wrong one is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict as OpenAI is: `max_tokens: true` or `stream: "yes"` is a 400, not a coercion.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -40,7 +41,7 @@ class _Sampling(_Request):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)

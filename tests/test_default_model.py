@@ -39,6 +39,19 @@ def test_tokenizer_round_trips_digits_unicode_and_chatml(smollm):
     assert chatml[0] == 1 and chatml[-1] == 2 and 2 in tok.eos_token_ids
 
 
+def test_each_tokens_own_bytes_join_into_the_text(smollm):
+    from app.text import token_bytes
+
+    _, tok = smollm
+    text = "naïve café, 日本語, emoji 🙂 <|im_end|>"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [token_bytes(tok, i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    # Some of these tokens are parts of a character: decoded alone they are U+FFFD.
+    partial = [p for i, p in zip(ids, pieces, strict=True) if tok.decode([i]) == "\ufffd"]
+    assert partial and all(p != "\ufffd".encode() for p in partial)
+
+
 def test_answers_paris_greedily(smollm):
     from mlx_lm import generate
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 
 from ..auth import Tenant
 from ..deps import EngineDep
-from ..engine import Delta, Engine, Event, TokenLogprob
+from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
 from ..errors import APIError
 from ..generation import (
     RequestContext,
@@ -80,15 +80,12 @@ def render(engine: Engine, req: ChatCompletionRequest) -> list[int]:
 
 
 def _logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:
-    def entry(text: str, lp: float) -> TopLogprob:
-        return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+    def entry(c: Candidate) -> TopLogprob:
+        return TopLogprob(token=c.text, logprob=c.logprob, bytes=list(c.bytes))
 
     return ChoiceLogprobs(
         content=[
-            TokenLogprobOut(
-                **entry(t.text, t.logprob).model_dump(),
-                top_logprobs=[entry(text, lp) for _, text, lp in t.top],
-            )
+            TokenLogprobOut(**entry(t).model_dump(), top_logprobs=[entry(c) for c in t.top])
             for t in items
         ]
     )

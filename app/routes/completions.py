@@ -60,7 +60,7 @@ def _logprobs(items: list[TokenLogprob], start: int) -> CompletionLogprobs:
     return CompletionLogprobs(
         tokens=[t.text for t in items],
         token_logprobs=[t.logprob for t in items],
-        top_logprobs=[{text: lp for _, text, lp in t.top} for t in items],
+        top_logprobs=[{c.text: c.logprob for c in t.top} for t in items],
         text_offset=offsets,
     )
 
