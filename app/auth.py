@@ -48,9 +48,21 @@ def authorize(request: Request) -> str | None:
 
 
 def authorize_admin(request: Request) -> None:
+    """Admin routes see and flush every tenant's cache: never open to a tenant's key.
+
+    Without API keys the server is open and so are they; with API keys they need
+    the admin key, and are off when none is set.
+    """
     admin: str | None = request.app.state.admin_key
     if admin is None:
-        authorize(request)
+        if request.app.state.api_keys:
+            raise APIError(
+                403,
+                "Admin routes are off: this server has API keys and no admin key. "
+                "Start it with --admin-key KEY to use them.",
+                type="permission_error",
+                code="admin_disabled",
+            )
         return
     if not _matches(_bearer(request), [admin]):
         raise APIError(

@@ -286,6 +286,7 @@ class Engine:
         }
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._stopping = threading.Event()
+        self._release_asked = threading.Event()
         self._thread: threading.Thread | None = None
         self.running = 0  # requests admitted and not finished (read by /health)
         self.in_flight = 0  # streams open on the event loop: submitted and not yet ended
@@ -305,6 +306,10 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def release_memory(self) -> None:
+        """Hand pooled memory back to the system as soon as the engine is idle."""
+        self._release_asked.set()
 
     @property
     def waiting(self) -> int:
@@ -370,9 +375,12 @@ class Engine:
                     self._intake(gen, new, active)
                 if active:
                     idle_since = None
-                elif idle_since is not None and time.monotonic() - idle_since > self.release_after:
+                elif self._release_asked.is_set() or (
+                    idle_since is not None and time.monotonic() - idle_since > self.release_after
+                ):
                     # Only after a pause: back-to-back turns would each pay about 40 ms
                     # (135M model) to fault freshly allocated buffers back in.
+                    self._release_asked.clear()
                     _release_memory()
                     idle_since = None
                 if gen is None or not active:

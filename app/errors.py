@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -77,5 +78,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(f"Internal server error: {e}", "server_error"), 500)
+        # The detail is for the operator; the client gets what it can act on.
+        request_id = f"req-{uuid.uuid4().hex[:16]}"
+        log.exception("unhandled error (request id %s)", request_id)
+        message = (
+            f"The server had an error while processing your request (request id {request_id}). "
+            "Retry; if it persists, report the request id."
+        )
+        return JSONResponse(
+            error_body(message, "server_error"), 500, headers={"x-request-id": request_id}
+        )

@@ -6,9 +6,10 @@ known fields are type-checked strictly and a wrong one is a 400 naming it.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Request(BaseModel):
@@ -34,7 +35,31 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False
+
+
 class _Sampling(_Request):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer or encoder takes it.
+        if _has_surrogate(data):
+            raise ValueError(
+                "the request contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                "which is not text; send valid Unicode"
+            )
+        return data
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)

@@ -7,13 +7,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from prompt_cache import PromptCache
 
 from . import errors
+from .auth import authorize
 from .engine import Engine
 from .generation import Limits
 from .metrics import Metrics
@@ -33,6 +36,9 @@ def create_app(
         title="mlx-cache-server",
         summary="OpenAI-compatible MLX server with a shared prefix-sharing prompt cache",
         version="0.1.0",
+        openapi_url=None,  # served below, behind the API keys like the API itself
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.engine = engine
     app.state.limits = limits or limits_of(settings)
@@ -45,6 +51,7 @@ def create_app(
     for module in (chat, completions, models, health, cache, metrics):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)
+    _serve_docs(app)
     if settings.cors_origins:
         # Browsers' chat UIs; credentials stay off: API keys travel in a header.
         app.add_middleware(
@@ -101,6 +108,18 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     components["ErrorResponse"] = error_schema
     app.openapi_schema = schema
     return schema
+
+
+def _serve_docs(app: FastAPI) -> None:
+    keyed = [Depends(authorize)]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=keyed)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=keyed)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
 
 def model_aliases(model_id: str) -> set[str]:

@@ -160,6 +160,11 @@ class PromptCache:
     def nbytes(self) -> int:
         return self._nbytes
 
+    @property
+    def byte_budget(self) -> int | None:
+        """`max_bytes` as given: None when there is no byte budget."""
+        return None if self.max_bytes == _NO_LIMIT else self.max_bytes
+
     def stats(self, model: Hashable | None = None) -> CacheStats:
         """Counters for one model, or summed over all models."""
         with self._lock:

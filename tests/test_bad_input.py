@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -9,7 +11,9 @@ GOOD = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 
 def post(server, body, path="/v1/chat/completions", **kw):
-    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+    # json.dumps escapes a lone surrogate as a client's JSON library would ("\ud800").
+    content, headers = json.dumps(body), {"content-type": "application/json"}
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=60, **kw)
 
 
 def assert_error(r, status, param=None):
@@ -53,6 +57,21 @@ CASES = [
         "messages[0].content[0]",
     ),
     ("stop wrong type", {**GOOD, "stop": 5}, 400, None),
+    ("top_k past the vocabulary", {**GOOD, "top_k": 10**9}, 400, "top_k"),
+    ("top_k huge", {**GOOD, "top_k": 2**70}, 400, "top_k"),
+    ("seed huge", {**GOOD, "seed": 2**70}, 400, "seed"),
+    ("seed negative", {**GOOD, "seed": -1}, 400, "seed"),
+    ("max_tokens a bool", {**GOOD, "max_tokens": True}, 400, "max_tokens"),
+    ("max_tokens a float", {**GOOD, "max_tokens": 5.0}, 400, "max_tokens"),
+    ("stream a string", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("temperature a string", {**GOOD, "temperature": "1"}, 400, "temperature"),
+    (
+        "surrogate in content",
+        {**GOOD, "messages": [{"role": "user", "content": "\ud800"}]},
+        400,
+        None,
+    ),
+    ("surrogate in model", {**GOOD, "model": "x\udfff"}, 400, None),
 ]
 
 
@@ -84,6 +103,9 @@ COMPLETION_CASES = [
     ("token out of range", {"model": "tiny", "prompt": [1, 10**6]}, 400, "prompt"),
     ("several prompts", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
     ("unknown model", {"model": "nope", "prompt": "a"}, 404, "model"),
+    ("surrogate in prompt", {"model": "tiny", "prompt": "a\ud800b"}, 400, None),
+    ("surrogate in a prompt list", {"model": "tiny", "prompt": ["\udc00"]}, 400, None),
+    ("echo a string", {"model": "tiny", "prompt": "a", "echo": "true"}, 400, "echo"),
 ]
 
 
@@ -108,3 +130,19 @@ def test_bad_requests_leave_the_cache_and_server_intact(server):
     assert (after.sequences, after.bytes) == (before.sequences, before.bytes)
     r = post(server, GOOD)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"]
+
+
+def test_an_unexpected_error_is_a_500_that_says_only_what_the_client_can_use(
+    server, monkeypatch, caplog
+):
+    import app.routes.chat as chat
+
+    def broken(*args):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(chat, "render", broken)
+    r = post(server, GOOD)
+    err = assert_error(r, 500)
+    assert err["type"] == "server_error" and "secret" not in err["message"]
+    assert r.headers["x-request-id"] in err["message"]
+    assert "secret internal detail" in caplog.text and r.headers["x-request-id"] in caplog.text

@@ -113,6 +113,47 @@ def test_admin_routes_need_the_admin_key(keyed):
     error_of(post(keyed.url, key="admin"), 401)  # the admin key is not an API key
 
 
+def test_docs_and_schema_need_an_api_key_when_the_api_does(keyed, server):
+    for path in ("/openapi.json", "/docs"):
+        error_of(httpx.get(keyed.url + path), 401)
+        ok = httpx.get(keyed.url + path, headers={"Authorization": "Bearer key-a"})
+        assert ok.status_code == 200
+        assert httpx.get(server.url + path).status_code == 200  # an open server: open docs
+    assert "/v1/chat/completions" in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+def test_with_api_keys_and_no_admin_key_admin_routes_are_off(tiny_model_dir):
+    with serving(str(tiny_model_dir), served_model_name="tiny", api_keys=["key-a"]) as live:
+        user = {"Authorization": "Bearer key-a"}
+        assert post(live.url, key="key-a").status_code == 200
+        for method, path in (("GET", "/v1/cache"), ("DELETE", "/v1/cache"), ("GET", "/metrics")):
+            r = httpx.request(method, live.url + path, headers=user)
+            assert error_of(r, 403)["code"] == "admin_disabled"
+        assert live.engine.cache.nbytes > 0  # the tenant could not flush it
+
+
+def test_cache_report_has_no_budget_when_none_is_set(server):
+    assert httpx.get(server.url + "/v1/cache").json()["max_bytes"] is None
+
+
+def test_a_flush_gives_the_memory_back_at_once(tiny_model_dir):
+    import mlx.core as mx
+
+    with serving(str(tiny_model_dir), served_model_name="tiny") as live:
+        live.engine.release_after = 3600  # no idle release: only the flush can do it
+        assert post(live.url, {**CHAT, "max_tokens": 16}).status_code == 200
+        deadline = time.monotonic() + 10
+        while live.engine.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert live.engine.cache.nbytes > 0
+        assert httpx.delete(live.url + "/v1/cache").json()["cleared"] == 1
+        assert mx.get_cache_memory() > 0  # the cache's KV, freed into MLX's pool
+        deadline = time.monotonic() + 5
+        while mx.get_cache_memory() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mx.get_cache_memory() == 0
+
+
 def test_tenants_never_share_cached_prompts(keyed):
     body = {**CHAT, "messages": [{"role": "user", "content": "a secret prompt " * 8}]}
     first = post(keyed.url, body, key="key-a").json()["usage"]["prompt_tokens_details"]

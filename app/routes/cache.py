@@ -83,7 +83,7 @@ async def cache_stats(engine: EngineDep) -> CacheReport:
     return CacheReport(
         enabled=True,
         max_sequences=cache.max_sequences,
-        max_bytes=cache.max_bytes,
+        max_bytes=cache.byte_budget,
         sequences=len(cache),
         bytes=cache.nbytes,
         models=models,
@@ -100,4 +100,5 @@ async def cache_flush(engine: EngineDep, request: Request, model: str | None = N
     keys = cache.models()  # every tenant's namespace of the one served model
     for key in keys:
         cache.clear(key)
+    engine.release_memory()  # what the flush freed goes back now, not at the next idle pause
     return Cleared(cleared=len(keys))
