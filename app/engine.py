@@ -278,6 +278,8 @@ class Engine:
         self.completion_batch_size = completion_batch_size
         args = getattr(model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
+        # Most characters one token stands for: bounds a prompt's tokens from its length.
+        self.max_token_chars: int = max(map(len, tokenizer.vocab), default=1)
         self._batch_args = {
             "completion_batch_size": completion_batch_size,
             "prefill_batch_size": prefill_batch_size,
@@ -289,7 +291,7 @@ class Engine:
         self._release_asked = threading.Event()
         self._thread: threading.Thread | None = None
         self.running = 0  # requests admitted and not finished (read by /health)
-        self.in_flight = 0  # streams open on the event loop: submitted and not yet ended
+        self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)
         self.stats = EngineStats()
 
     # ---------------------------------------------------------- lifecycle
@@ -348,7 +350,6 @@ class Engine:
                 pass
 
         request = self.submit(tokens, params, emit, namespace)
-        self.in_flight += 1
         try:
             while True:
                 event = await events.get()
@@ -356,7 +357,6 @@ class Engine:
                 if isinstance(event, Finished | Failed):
                     return
         finally:
-            self.in_flight -= 1
             request.cancel()
 
     # ------------------------------------------------------- engine thread

@@ -7,10 +7,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .engine import Delta, Engine, Event, Failed, Finished, SamplingParams, Started, TokenLogprob
@@ -19,6 +21,7 @@ from .metrics import Metrics
 from .schemas import PromptTokensDetails, Usage, _Sampling
 
 request_log = logging.getLogger("mlx_cache_server.requests")
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,7 +46,25 @@ class RequestContext:
     tenant: str | None
 
 
-def check_capacity(engine: Engine, limits: Limits) -> None:
+class Slot:
+    """A request's place in the server's capacity (`Engine.in_flight`), from admission to end.
+
+    Taken before the prompt is tokenized, so requests that arrive together are
+    counted together. Freed once: by `tracked` when the request ends, by the
+    handler when it fails before generating, or when the slot is dropped unused
+    (a streaming response whose client left before it started).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        engine.in_flight += 1
+        self.release = weakref.finalize(self, _free_slot, engine)
+
+
+def _free_slot(engine: Engine) -> None:
+    engine.in_flight -= 1
+
+
+def reserve_slot(engine: Engine, limits: Limits) -> Slot:
     if engine.in_flight >= engine.completion_batch_size + limits.max_queue:
         raise APIError(
             429,
@@ -52,6 +73,55 @@ def check_capacity(engine: Engine, limits: Limits) -> None:
             code="queue_full",
             headers={"Retry-After": "1"},
         )
+    return Slot(engine)
+
+
+def check_prompt_chars(chars: int, engine: Engine, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt that cannot fit the context whatever its tokens.
+
+    No token stands for more characters than the longest in the vocabulary, so
+    past `context_length` times that many characters the prompt is too long; the
+    factor 2 leaves room for normalizers that fold several characters into one.
+    Tokenizing a body of megabytes takes seconds that this check does not.
+    """
+    if chars > 2 * engine.context_length * engine.max_token_chars:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {engine.context_length} tokens, and "
+            f"the prompt's {chars} characters are far more than that. Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread: tokenizing and templating a long prompt takes long
+    enough to stall every other client's stream if run on the event loop."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; if the client leaves first, `work` (and its generation) is cancelled.
+
+    Streams notice a gone client when a write fails; a request waiting for its
+    whole answer writes nothing until the end, so it listens for the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled():
+        return await task
+    raise APIError(499, "The client closed the connection.", code="client_closed")
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def check_model(name: str, engine: Engine, aliases: set[str]) -> None:
@@ -179,10 +249,12 @@ async def tracked(
     ctx: RequestContext,
     limits: Limits,
     metrics: Metrics,
+    slot: Slot,
 ) -> AsyncIterator[Event]:
     """The engine's events for one request, under its deadline, recorded when it ends.
 
     Past the deadline the generation is cancelled and a 408 `Failed` ends the stream.
+    The request's slot is freed when it ends.
     """
     t0 = time.perf_counter()
     deadline = t0 + limits.request_timeout
@@ -210,6 +282,7 @@ async def tracked(
                 finished = event
             yield event
     finally:
+        slot.release()
         await events.aclose()
         _record(ctx, metrics, t0, first, started, finished)
 

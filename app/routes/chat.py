@@ -13,15 +13,18 @@ from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
 from ..errors import APIError
 from ..generation import (
     RequestContext,
-    check_capacity,
     check_model,
+    check_prompt_chars,
     collect,
     new_id,
     now,
+    off_loop,
+    reserve_slot,
     sampling_params,
     sse_response,
     sse_stream,
     tracked,
+    until_disconnected,
 )
 from ..schemas import (
     ChatChoice,
@@ -63,6 +66,12 @@ def _message(m: ChatMessage, index: int) -> dict[str, Any]:
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     return out
+
+
+def _chars(m: ChatMessage) -> int:
+    if isinstance(m.content, list):
+        return sum(len(part.text or "") for part in m.content)
+    return len(m.content or "")
 
 
 def render(engine: Engine, req: ChatCompletionRequest) -> list[int]:
@@ -109,27 +118,32 @@ async def create_chat_completion(
             f"{state.limits.max_messages}.",
             param="messages",
         )
-    tokens = render(engine, req)
+    check_prompt_chars(sum(map(_chars, req.messages)), engine, "messages")
     want_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
-    params = sampling_params(
-        req,
-        prompt_tokens=len(tokens),
-        max_tokens=req.max_completion_tokens or req.max_tokens,
-        logprobs=want_logprobs,
-        engine=engine,
-        limits=state.limits,
-        prompt_param="messages",
-    )
-    check_capacity(engine, state.limits)
+    slot = reserve_slot(engine, state.limits)
+    try:
+        tokens = await off_loop(render, engine, req)
+        params = sampling_params(
+            req,
+            prompt_tokens=len(tokens),
+            max_tokens=req.max_completion_tokens or req.max_tokens,
+            logprobs=want_logprobs,
+            engine=engine,
+            limits=state.limits,
+            prompt_param="messages",
+        )
+    except BaseException:
+        slot.release()
+        raise
     cid, created = new_id("chatcmpl"), now()
     ctx = RequestContext(cid, "/v1/chat/completions", req.model, tenant)
-    events = tracked(engine, tokens, params, ctx, state.limits, state.metrics)
+    events = tracked(engine, tokens, params, ctx, state.limits, state.metrics, slot)
     if req.stream:
         logprobs = params.logprobs is not None
         return sse_response(_stream(events, cid, created, req.model, req.include_usage, logprobs))
-    result = await collect(events)
+    result = await until_disconnected(request, collect(events))
     return ChatCompletion(
         id=cid,
         created=created,

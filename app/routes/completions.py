@@ -12,15 +12,18 @@ from ..engine import Delta, Engine, Event, TokenLogprob
 from ..errors import APIError
 from ..generation import (
     RequestContext,
-    check_capacity,
     check_model,
+    check_prompt_chars,
     collect,
     new_id,
     now,
+    off_loop,
+    reserve_slot,
     sampling_params,
     sse_response,
     sse_stream,
     tracked,
+    until_disconnected,
 )
 from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .chat import ERRORS
@@ -73,27 +76,34 @@ async def create_completion(
 ):
     state = request.app.state
     check_model(req.model, engine, state.model_aliases)
-    tokens, text = prompt_tokens(engine, req)
-    params = sampling_params(
-        req,
-        prompt_tokens=len(tokens),
-        max_tokens=req.max_tokens,
-        logprobs=req.logprobs,
-        engine=engine,
-        limits=state.limits,
-        prompt_param="prompt",
-    )
-    check_capacity(engine, state.limits)
+    prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+    chars = sum(len(p) for p in prompts if isinstance(p, str))
+    check_prompt_chars(chars, engine, "prompt")
+    slot = reserve_slot(engine, state.limits)
+    try:
+        tokens, text = await off_loop(prompt_tokens, engine, req)
+        params = sampling_params(
+            req,
+            prompt_tokens=len(tokens),
+            max_tokens=req.max_tokens,
+            logprobs=req.logprobs,
+            engine=engine,
+            limits=state.limits,
+            prompt_param="prompt",
+        )
+    except BaseException:
+        slot.release()
+        raise
     cid, created = new_id("cmpl"), now()
     ctx = RequestContext(cid, "/v1/completions", req.model, tenant)
-    events = tracked(engine, tokens, params, ctx, state.limits, state.metrics)
+    events = tracked(engine, tokens, params, ctx, state.limits, state.metrics, slot)
     echo = text if req.echo else ""
     if req.stream:
         logprobs = req.logprobs is not None
         return sse_response(
             _stream(events, cid, created, req.model, echo, req.include_usage, logprobs)
         )
-    result = await collect(events)
+    result = await until_disconnected(request, collect(events))
     lp = _logprobs(result.logprobs, len(echo)) if req.logprobs is not None else None
     return Completion(
         id=cid,

@@ -1,0 +1,95 @@
+"""One client must not hurt another: capacity, slow prompts, abandoned requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import app.routes.chat as chat
+from tests.live import serving
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+NO_END = {"logit_bias": {"99": -100}}  # <|im_end|> of the tiny tokenizer: generate to the limit
+
+
+def wait_until(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_model_dir):
+    """Two generation slots and no queue: the third request at once is a 429."""
+    with serving(
+        str(tiny_model_dir), served_model_name="tiny", completion_batch_size=2, max_queue=0
+    ) as live:
+        yield live
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_requests_arriving_together_get_the_slots_there_are_and_429s(small, stream):
+    body = {**CHAT, **NO_END, "max_tokens": 1500, "stream": stream}
+    barrier = threading.Barrier(6)
+
+    def send(_):
+        barrier.wait()
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", small.url + "/v1/chat/completions", json=body) as r:
+                r.read()
+                return r.status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        statuses = sorted(pool.map(send, range(6)))
+    assert statuses == [200, 200, 429, 429, 429, 429]
+    wait_until(lambda: small.engine.in_flight == 0)  # every slot came back
+
+
+def test_a_prompt_being_tokenized_does_not_stall_other_clients(small, monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    real = chat.render
+
+    def slow_render(engine, req):
+        entered.set()
+        assert release.wait(30)
+        return real(engine, req)
+
+    monkeypatch.setattr(chat, "render", slow_render)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, small.url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert entered.wait(30)
+        # Were templating on the event loop, this would wait for the release.
+        assert httpx.get(small.url + "/health", timeout=10).status_code == 200
+        release.set()
+        assert slow.result().status_code == 200
+    wait_until(lambda: small.engine.in_flight == 0)
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(small, monkeypatch):
+    def never(engine, req):
+        raise AssertionError("tokenized a prompt that could never fit")
+
+    monkeypatch.setattr(chat, "render", never)
+    limit = 2 * small.engine.context_length * small.engine.max_token_chars
+    body = {**CHAT, "messages": [{"role": "user", "content": "a" * (limit + 1)}]}
+    r = httpx.post(small.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert small.engine.in_flight == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_an_abandoned_request_stops_generating(tiny_model_dir, path):
+    with serving(str(tiny_model_dir), served_model_name="tiny") as live:
+        body = {**NO_END, "model": "tiny", "max_tokens": 3000}
+        body.update({"messages": CHAT["messages"]} if "chat" in path else {"prompt": "hello"})
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(live.url + path, json=body, timeout=httpx.Timeout(60, read=0.5))
+        wait_until(lambda: live.engine.stats.cancelled == 1)
+        wait_until(lambda: live.engine.running == 0 and live.engine.in_flight == 0)
+        assert live.engine.stats.finished == 0  # it did not run on to its 3000 tokens
