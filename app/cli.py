@@ -49,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shutdown-grace", type=float, help="seconds running requests get to finish on SIGTERM"
     )
+    serve.add_argument("--max-connections", type=int, help="requests at once before a 503")
+    serve.add_argument(
+        "--header-timeout", type=float, help="seconds a client has to send a request's headers"
+    )
+    serve.add_argument(
+        "--write-timeout", type=float, help="seconds to wait for a client that stopped reading"
+    )
     imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX folder")
     imp.add_argument("gguf", type=Path, help="the .gguf file")
     imp.add_argument("out", type=Path, help="the folder to write")
@@ -97,9 +104,9 @@ def import_command(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
-    import uvicorn
 
     from .blas import describe as describe_blas
+    from .connections import uvicorn_config
     from .engine import limit_buffer_pool, unmap_large_blocks
     from .server import build_engine, create_app, weights_dtype
     from .settings import describe_size, load_settings
@@ -149,13 +156,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
         # then cancels them (which cancels their generations); the engine stops after.
-        config = uvicorn.Config(
-            create_app(engine, settings=settings),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            timeout_graceful_shutdown=settings.shutdown_grace,
-        )
+        config = uvicorn_config(create_app(engine, settings=settings), settings)
         _graceful_server_class()(config).run()
     finally:
         engine.stop()

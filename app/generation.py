@@ -351,8 +351,23 @@ def sse(payload: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+class _EventStream(StreamingResponse):
+    """A streaming response that always closes its body, so the generation behind it ends.
+
+    Starlette leaves the body iterator suspended when sending fails (a client
+    that stopped reading, see `WriteTimeout`); until garbage collection found it,
+    its generation would run on.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
 def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
+    return _EventStream(
         body,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},

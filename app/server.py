@@ -17,6 +17,7 @@ from prompt_cache import PromptCache
 
 from . import errors
 from .auth import authorize
+from .connections import HeaderLimit, WriteTimeout
 from .engine import Engine
 from .generation import Limits
 from .metrics import Metrics
@@ -62,6 +63,8 @@ def create_app(
             allow_headers=["*"],
         )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HeaderLimit)
+    app.add_middleware(WriteTimeout, seconds=settings.write_timeout)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)
     return app
 

@@ -42,6 +42,9 @@ class Settings:
     max_queue: int = 256  # requests waiting beyond the decode batch; more get a 429
     request_timeout: float = 600.0
     shutdown_grace: float = 30.0
+    max_connections: int = 1024  # requests past it get a 503
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    write_timeout: float = 60.0  # seconds a response waits for a client that does not read
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from app.connections import uvicorn_config
 from app.engine import Engine
 from app.server import build_engine, create_app
 from app.settings import Settings
@@ -26,8 +27,11 @@ class LiveServer:
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        settings = settings or Settings()
         self.app = create_app(engine, settings=settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn_config(
+            self.app, settings, host="127.0.0.1", port=self.port, log_level="warning"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 

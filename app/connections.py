@@ -1,0 +1,194 @@
+"""HTTP connections a hostile or broken client cannot use to hurt others.
+
+uvicorn's own protocols leave three holes: httptools accepts headers of any
+size (one connection sent 256 MiB), neither closes a connection that sends its
+headers a byte at a time, and a client that never reads holds its response's
+writer forever. The server therefore always runs `GuardedH11` (h11, whose
+buffer limit bounds a request's headers, whatever else is installed) with a
+deadline for each request's headers, `HeaderLimit` for their count and
+`WriteTimeout` for clients that stop reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import error_body
+from .settings import Settings
+
+log = logging.getLogger("mlx_cache_server.connections")
+
+MAX_HEADER_BYTES = 32 * 1024
+MAX_HEADERS = 100
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline and a size limit for each request's headers.
+
+    The deadline runs from the connection's start, or the previous response's
+    end, until the request's headers are complete; past it the connection is
+    closed (with a 408 if the client had begun a request).
+    """
+
+    header_timeout: float = 10.0
+    max_header_bytes: int = MAX_HEADER_BYTES
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # the rest of a refused request: read and dropped (see _refuse)
+        if self._deadline is not None:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        if self._deadline is not None and self.cycle is not self._cycle_before:
+            self._stop_deadline()  # the headers are in: the request is the app's now
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_deadline()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._deadline is not None and self._header_bytes > self.max_header_bytes:
+            self._stop_deadline()
+            self._refuse(
+                431,
+                f"The request's headers are larger than this server accepts "
+                f"({self.max_header_bytes} bytes).",
+                "request_headers_too_large",
+            )
+            return
+        super().send_400_response(msg)
+
+    def _await_headers(self) -> None:
+        self._stop_deadline()
+        self._cycle_before, self._header_bytes = self.cycle, 0
+        self._deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_too_slow(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self._header_bytes and self.conn.their_state is h11.IDLE:
+            message = f"The request's headers did not arrive within {self.header_timeout:g}s."
+            self._refuse(408, message, "request_timeout")
+        else:
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer `status` and close, after reading what the client still sends for a moment.
+
+        Closing a socket with unread input resets the connection, and the client
+        may lose the answer; so the write side closes first and the rest of the
+        request is read and dropped until the client closes, for at most a second.
+        """
+        body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:  # h11 cannot answer in its state: just close
+            self.transport.close()
+            return
+        self._refused = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(1.0, self.transport.close)
+
+
+class HeaderLimit:
+    """Refuses requests with more than `max_headers` headers (431)."""
+
+    def __init__(self, app: Any, max_headers: int = MAX_HEADERS) -> None:
+        self.app, self.max_headers = app, max_headers
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or len(scope["headers"]) <= self.max_headers:
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(
+            error_body(
+                f"The request has {len(scope['headers'])} headers; this server accepts at most "
+                f"{self.max_headers}.",
+                "invalid_request_error",
+                code="too_many_headers",
+            )
+        ).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 431, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class WriteTimeout:
+    """Gives up on a response whose client has not read for `seconds`.
+
+    uvicorn stops writing when the client's buffers are full and waits for them
+    to drain; a client that never reads would keep its generation, its slot and
+    its connection forever. Past the timeout the app is left (its response and
+    generation end) and uvicorn closes the connection.
+    """
+
+    def __init__(self, app: Any, seconds: float) -> None:
+        self.app, self.seconds = app, seconds
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def timed_send(message: dict) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.seconds)
+            except asyncio.TimeoutError:
+                raise _ClientNotReading from None
+
+        try:
+            await self.app(scope, receive, timed_send)
+        except _ClientNotReading:
+            log.warning("closing a connection whose client read nothing for %gs", self.seconds)
+
+
+class _ClientNotReading(Exception):
+    pass
+
+
+def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's settings for serving `app`, with the guards above."""
+    protocol = type(
+        "GuardedH11",
+        (GuardedH11,),
+        {"header_timeout": settings.header_timeout, "max_header_bytes": MAX_HEADER_BYTES},
+    )
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": settings.shutdown_grace,
+        "http": protocol,
+        # h11 refuses a request whose headers pass this many bytes; GuardedH11 answers 431.
+        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        "limit_concurrency": settings.max_connections,
+    }
+    return uvicorn.Config(app, **{**options, **overrides})

@@ -1,0 +1,123 @@
+"""Hostile connections: huge or many headers, headers sent slowly, clients that never read."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.live import serving
+
+NO_END = {"logit_bias": {"99": -100}}  # <|im_end|> of the tiny tokenizer: generate to the limit
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model_dir):
+    with serving(
+        str(tiny_model_dir), served_model_name="tiny", header_timeout=1.0, write_timeout=1.0
+    ) as live:
+        yield live
+
+
+def connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def read_all(sock: socket.socket, seconds: float = 10) -> bytes:
+    sock.settimeout(seconds)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def status_and_error(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_headers_too_large_get_a_431_and_the_connection_closes(guarded):
+    with connect(guarded) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
+        status, error = status_and_error(read_all(sock))
+    assert status == 431 and error["code"] == "request_headers_too_large"
+    assert httpx.get(guarded.url + "/health").status_code == 200
+
+
+def test_too_many_headers_get_a_431(guarded):
+    headers = {f"x-h{i}": "1" for i in range(150)}
+    r = httpx.get(guarded.url + "/health", headers=headers)
+    assert r.status_code == 431 and r.json()["error"]["code"] == "too_many_headers"
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_off(guarded):
+    request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+    with connect(guarded) as sock:
+        start = time.monotonic()
+        closed = False
+        try:
+            for byte in request:  # far slower than the 1 s the server gives
+                sock.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except OSError:  # the server closed the connection under us
+            closed = True
+        response = read_all(sock)
+    assert closed or response  # cut off before the 10 s the headers would take
+    if response:
+        assert status_and_error(response)[0] == 408
+    assert time.monotonic() - start < 8
+
+
+def test_a_connection_that_sends_nothing_is_closed(guarded):
+    with connect(guarded) as sock:
+        start = time.monotonic()
+        assert read_all(sock) == b""
+        assert time.monotonic() - start < 8
+
+
+def test_the_header_deadline_does_not_cut_a_long_generation(guarded):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **NO_END}
+    with httpx.Client(timeout=60) as client:  # one keep-alive connection for both requests
+        r = client.post(guarded.url + "/v1/chat/completions", json={**body, "max_tokens": 1500})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1500
+        time.sleep(0.3)
+        assert client.get(guarded.url + "/health").status_code == 200
+
+
+def test_a_client_that_never_reads_loses_its_stream(guarded):
+    engine = guarded.engine
+    cancelled = engine.stats.cancelled
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4000,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 20,  # about 2 KB an event: the socket buffers fill quickly
+            **NO_END,
+        }
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", guarded.port))
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 60
+        while engine.stats.cancelled == cancelled:  # never reading
+            assert time.monotonic() < deadline, "the stream was never given up on"
+            time.sleep(0.05)
+        assert engine.stats.finished == 0 or engine.running == 0
+    finally:
+        sock.close()
+    deadline = time.monotonic() + 10
+    while engine.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.in_flight == 0
