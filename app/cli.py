@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from signal import SIGINT, SIGTERM
+from typing import Any
 
 log = logging.getLogger("mlx_cache_server")
 
@@ -157,7 +158,7 @@ def serve(args: argparse.Namespace) -> int:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
         # then cancels them (which cancels their generations); the engine stops after.
         config = uvicorn_config(create_app(engine, settings=settings), settings)
-        _graceful_server_class()(config).run()
+        _graceful_server_class()(config, engine, settings.shutdown_grace).run()
     finally:
         engine.stop()
     log.info("stopped")
@@ -171,14 +172,32 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _graceful_server_class() -> type:
+    import asyncio
+
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
-        """uvicorn's shutdown on SIGINT/SIGTERM, ending in a normal exit (status 0).
+        """uvicorn's shutdown on SIGINT/SIGTERM, ending every stream properly, and exit 0.
 
-        uvicorn re-raises the signal once it has shut down, which would kill the
-        process before the engine is stopped and make a clean stop look like a crash.
+        Requests still running when the grace period ends are failed by stopping
+        the engine, so their streams end with an error event and `[DONE]` instead
+        of being cut; uvicorn's own cancellation (`connections.END_MARGIN` later)
+        is only the last resort. uvicorn re-raises the signal once it has shut
+        down, which would kill the process before the engine is stopped and make
+        a clean stop look like a crash.
         """
+
+        def __init__(self, config: uvicorn.Config, engine: Any, grace: float) -> None:
+            super().__init__(config)
+            self.engine, self.grace = engine, grace
+
+        async def _wait_tasks_to_complete(self) -> None:
+            try:
+                await asyncio.wait_for(super()._wait_tasks_to_complete(), self.grace)
+            except asyncio.TimeoutError:
+                log.warning("grace period over: ending the requests still running")
+                await asyncio.to_thread(self.engine.stop)
+                await super()._wait_tasks_to_complete()
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:

@@ -27,6 +27,7 @@ log = logging.getLogger("mlx_cache_server.connections")
 
 MAX_HEADER_BYTES = 32 * 1024
 MAX_HEADERS = 100
+END_MARGIN = 5.0  # seconds past the shutdown grace for failed streams to send their end
 
 
 class GuardedH11(H11Protocol):
@@ -185,7 +186,7 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level,
-        "timeout_graceful_shutdown": settings.shutdown_grace,
+        "timeout_graceful_shutdown": settings.shutdown_grace + END_MARGIN,
         "http": protocol,
         # h11 refuses a request whose headers pass this many bytes; GuardedH11 answers 431.
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,

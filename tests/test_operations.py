@@ -251,25 +251,48 @@ def test_request_timeout(tiny_model_dir):
         assert post(live.url).status_code == 200
 
 
-def test_sigterm_finishes_running_streams_then_exits(tiny_model_dir):
+def start_server(tiny_model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = dict(os.environ)
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--served-model-name", "tiny", "--shutdown-grace", "20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+         "--port", str(port), "--served-model-name", "tiny", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+        assert time.monotonic() < deadline
+
+
+def test_streams_still_running_when_the_grace_period_ends_get_an_error_and_done(
+    tiny_model_dir,
+):
+    proc, url = start_server(tiny_model_dir, "--shutdown-grace", "0.5")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-            assert time.monotonic() < deadline
+        body = {**CHAT, **NO_END, "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = iter(r.iter_lines())
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(rest[-2][6:])["error"]["message"]
+        assert proc.wait(30) == 0
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_finishes_running_streams_then_exits(tiny_model_dir):
+    proc, url = start_server(tiny_model_dir, "--shutdown-grace", "20")
+    try:
         body = {**CHAT, **NO_END, "max_tokens": 300, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = iter(r.iter_lines())
