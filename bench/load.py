@@ -1,14 +1,17 @@
-"""Load test: many concurrent streaming clients, random disconnects and bad requests mixed in.
+"""Load and soak test: many streaming clients, with disconnects, bad requests and flushes.
 
 Starts our server (default model unless --model) on a free loopback port and
 runs N async clients for a bounded time. Each client loops: a streaming chat
-turn (most of the time), a stream it drops after a few chunks, or a bad
-request. A monitor polls /v1/cache and the server's RSS every second.
-Afterwards: the server must still answer, the cache must have stayed within
-its budget, every request that stayed connected must have got its whole
-answer, and no response may be a 5xx.
+turn (most of the time), a stream it drops after a few chunks, or a bad request
+(malformed, or out of a parameter's bounds). A flusher empties the cache every
+--flush-every seconds while inserts run; a monitor polls /v1/cache and the
+server's RSS every second. Afterwards: the server must still answer, the cache
+must have stayed within its budget, every request that stayed connected must
+have got its whole answer (lost: 0), no response may be a 5xx, and RSS must be
+back near the baseline plus what the cache holds. Errors are counted by class.
+For a soak, run it long:
 
-    python bench/load.py [--clients 32] [--seconds 180] [--model PATH]
+    python bench/load.py [--clients 32] [--seconds 180] [--flush-every 10] [--model PATH]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,6 +44,17 @@ BAD = [
     json.dumps(
         {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}
     ).encode(),
+    # Out of bounds that once failed every running stream, or gave a 500.
+    json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_k": 10**9}
+    ).encode(),
+    json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "seed": 2**70}
+    ).encode(),
+    b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+    json.dumps(
+        {"model": NAME, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}
+    ).encode(),
 ]
 
 
@@ -55,6 +70,8 @@ class Tally:
     ttft: list[float] = field(default_factory=list)
     cache_over_budget: int = 0
     cache_bytes_max: int = 0
+    flushes: int = 0
+    errors: Counter = field(default_factory=Counter)  # by class: status, error event, transport
     rss_samples: list[int] = field(default_factory=list)
 
 
@@ -74,6 +91,8 @@ async def chat_turn(client: httpx.AsyncClient, tally: Tally, history: list, drop
     t0 = time.perf_counter()
     text, done, finish, first = [], False, None, None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            tally.errors[f"chat {r.status_code}"] += 1
         if r.status_code == 429:
             tally.busy_429 += 1
             return
@@ -96,6 +115,7 @@ async def chat_turn(client: httpx.AsyncClient, tally: Tally, history: list, drop
                 break
             payload = json.loads(line[6:])
             if "error" in payload:
+                tally.errors[f"stream error event: {payload['error']['type']}"] += 1
                 break
             choice = payload["choices"][0] if payload["choices"] else None
             if choice and choice["delta"].get("content"):
@@ -118,6 +138,7 @@ async def bad_request(client: httpx.AsyncClient, tally: Tally) -> None:
         content=random.choice(BAD),
         headers={"content-type": "application/json"},
     )
+    tally.errors[f"bad request {r.status_code}"] += 1
     if 400 <= r.status_code < 500:
         tally.bad_4xx += 1
     else:
@@ -142,7 +163,8 @@ async def user(client: httpx.AsyncClient, tally: Tally, deadline: float, seed: i
             await chat_turn(client, tally, history, drop=roll > 0.85)
             if history[-1]["role"] == "user":
                 history.pop()
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
+            tally.errors[f"transport {type(e).__name__}"] += 1
             tally.lost += 1
 
 
@@ -150,18 +172,30 @@ async def monitor(client: httpx.AsyncClient, tally: Tally, pid: int, deadline: f
     while time.monotonic() < deadline:
         report = (await client.get("/v1/cache")).json()
         tally.cache_bytes_max = max(tally.cache_bytes_max, report["bytes"])
-        tally.cache_over_budget += report["bytes"] > report["max_bytes"]
+        budget = report["max_bytes"]
+        tally.cache_over_budget += budget is not None and report["bytes"] > budget
         tally.rss_samples.append(rss(pid))
         await asyncio.sleep(1)
 
 
-async def run(url: str, pid: int, clients: int, seconds: float) -> Tally:
+async def flusher(client: httpx.AsyncClient, tally: Tally, every: float, deadline: float) -> None:
+    """Flushes the cache now and then while clients' turns are being inserted."""
+    while every > 0 and time.monotonic() + every < deadline:
+        await asyncio.sleep(every)
+        r = await client.delete("/v1/cache")
+        tally.flushes += r.status_code == 200
+        if r.status_code != 200:
+            tally.errors[f"flush {r.status_code}"] += 1
+
+
+async def run(url: str, pid: int, clients: int, seconds: float, flush_every: float) -> Tally:
     tally = Tally()
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         deadline = time.monotonic() + seconds
         await asyncio.gather(
             monitor(client, tally, pid, deadline),
+            flusher(client, tally, flush_every, deadline),
             *(user(client, tally, deadline, seed) for seed in range(clients)),
         )
     return tally
@@ -173,6 +207,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=180)
     ap.add_argument("--model", default=None)
     ap.add_argument("--cache-max-bytes", default="256MiB")
+    ap.add_argument("--flush-every", type=float, default=10.0, help="seconds; 0: never")
     args = ap.parse_args()
     model = args.model or str(default_model_dir())
     port = free_port()
@@ -185,7 +220,7 @@ def main() -> None:
         wait_healthy(url, proc)
         ask(url, "hi").raise_for_status()
         baseline = rss(proc.pid)
-        tally = asyncio.run(run(url, proc.pid, args.clients, args.seconds))
+        tally = asyncio.run(run(url, proc.pid, args.clients, args.seconds, args.flush_every))
         time.sleep(3)  # let cancelled generations wind down
         after = rss(proc.pid)
         healthy = httpx.get(url + "/health").json()
@@ -198,7 +233,9 @@ def main() -> None:
     report = {
         "clients": args.clients,
         "seconds": args.seconds,
-        **{k: v for k, v in asdict(tally).items() if k not in ("ttft", "rss_samples")},
+        "flush_every_s": args.flush_every,
+        **{k: v for k, v in asdict(tally).items() if k not in ("ttft", "rss_samples", "errors")},
+        "errors_by_class": dict(sorted(tally.errors.items())),
         "ttft_median_s": ttft[len(ttft) // 2] if ttft else None,
         "rss_baseline_mib": baseline >> 20,
         "rss_peak_mib": max(tally.rss_samples or [0]) >> 20,

@@ -93,3 +93,54 @@ def test_an_abandoned_request_stops_generating(tiny_model_dir, path):
         wait_until(lambda: live.engine.stats.cancelled == 1)
         wait_until(lambda: live.engine.running == 0 and live.engine.in_flight == 0)
         assert live.engine.stats.finished == 0  # it did not run on to its 3000 tokens
+
+
+def test_flushes_during_inserts_leave_nothing_unreachable_and_outputs_unchanged(
+    tiny_model_dir, uncached_client
+):
+    """An admin flushes the cache again and again while chats' turns are being inserted."""
+    questions = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
+
+    def ask(url, question):
+        body = {**CHAT, "messages": [{"role": "user", "content": question}], "max_tokens": 12}
+        body["temperature"] = 0
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    expected = {
+        q: uncached_client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": q}],
+            max_tokens=12,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content
+        for q in questions
+    }
+    with serving(str(tiny_model_dir), served_model_name="tiny") as live:
+        stop = threading.Event()
+        flushes = [0]
+
+        def flush_until_stopped():
+            while not stop.is_set():
+                assert httpx.delete(live.url + "/v1/cache").status_code == 200
+                flushes[0] += 1
+
+        flusher = threading.Thread(target=flush_until_stopped)
+        flusher.start()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                for _ in range(3):  # each chat again: reused where a flush did not take it
+                    answers = list(pool.map(lambda q: ask(live.url, q), questions))
+                    assert answers == [expected[q] for q in questions]
+        finally:
+            stop.set()
+            flusher.join(30)
+        assert flushes[0] > 0
+        wait_until(lambda: live.engine.running == 0)
+        httpx.delete(live.url + "/v1/cache")
+        report = httpx.get(live.url + "/v1/cache").json()
+        assert (report["sequences"], report["bytes"]) == (0, 0)
+        assert live.engine.cache.nbytes == 0 and len(live.engine.cache) == 0
