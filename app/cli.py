@@ -79,15 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "import-gguf":
         return import_command(args)
-    from .blas import reexec_with_openblas
+    from .runtime.blas import reexec_with_openblas
 
     reexec_with_openblas(["-m", "app", *argv])
     return serve(args)
 
 
 def import_command(args: argparse.Namespace) -> int:
-    from .default_model import default_dtype
-    from .gguf import GGUFError, import_gguf
+    from .models.default_model import default_dtype
+    from .models.gguf import GGUFError, import_gguf
 
     try:
         import_gguf(
@@ -106,9 +106,9 @@ def import_command(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from .blas import describe as describe_blas
     from .connections import uvicorn_config
-    from .engine import limit_buffer_pool, unmap_large_blocks
+    from .runtime.blas import describe as describe_blas
+    from .runtime.memory import limit_buffer_pool, unmap_large_blocks
     from .server import build_engine, create_app, weights_dtype
     from .settings import describe_size, load_settings
 
@@ -123,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     model_path = settings.model
     if model_path is None:
-        from .default_model import NAME, default_model_dir
+        from .models.default_model import NAME, default_model_dir
 
         settings.served_model_name = settings.served_model_name or NAME
         try:

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 from multiturn import free_port
 
-from app.default_model import NAME, default_model_dir
+from app.models.default_model import NAME, default_model_dir
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEM = "You are a helpful assistant. Keep answers short and friendly. " * 6

@@ -42,8 +42,8 @@ from typing import NamedTuple
 import httpx
 from openai import APIConnectionError, AsyncOpenAI
 
-from app.blas import find_openblas
-from app.default_model import default_model_dir
+from app.models.default_model import default_model_dir
+from app.runtime.blas import find_openblas
 from prompt_cache.radix import common_prefix_length
 
 RESULTS = Path(__file__).parent / "results"

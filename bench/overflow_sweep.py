@@ -40,7 +40,7 @@ from multiturn import (
 )
 from openai import AsyncOpenAI
 
-from app.default_model import default_model_dir
+from app.models.default_model import default_model_dir
 
 NAME = "3-overflow"
 

@@ -44,8 +44,8 @@ def run(model: str, preload: str | None) -> float:
 
 
 def main() -> None:
-    from app.blas import find_openblas
-    from app.default_model import default_model_dir
+    from app.models.default_model import default_model_dir
+    from app.runtime.blas import find_openblas
 
     model = str(default_model_dir())
     lib = find_openblas()

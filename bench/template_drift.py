@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "drift.json")
     args = ap.parse_args()
     if args.model is None:
-        from app.default_model import default_model_dir
+        from app.models.default_model import default_model_dir
 
         args.model = str(default_model_dir())
     model, tok = load(args.model)

@@ -22,7 +22,7 @@ import statistics
 from multiturn import RESULTS, Call, question, running, send, system_prompt
 from openai import AsyncOpenAI
 
-from app.default_model import default_model_dir
+from app.models.default_model import default_model_dir
 
 
 async def paired(ours_port: int, peer_port: int, model: str, convs: int, turns: int) -> list:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from app.blas import openblas_to_preload, reexec_with_openblas
+from app.runtime.blas import openblas_to_preload, reexec_with_openblas
 from tests.tiny_model import build_tiny_model
 
 

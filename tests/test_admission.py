@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from app.engine import Delta, Finished, Request, SamplingParams, Started, _packed
+from app.engine import Delta, Finished, SamplingParams, Started
+from app.engine.request import Request
 from app.server import build_engine
 from app.settings import Settings
 from prompt_cache import PackedTokens
@@ -96,7 +97,7 @@ def test_a_requests_states_are_keyed_by_the_prompt_packed_on_arrival():
     prompt = [5, 6, 7, 8]
     request = Request(prompt, SamplingParams(max_tokens=4), print)
     for state in ([5, 6], prompt, [*prompt, 9, 10]):  # a shared prefix, the prompt, prompt + reply
-        key = _packed(request, state)
+        key = request.state_key(state)
         assert isinstance(key, PackedTokens) and key == pack(state)
-    assert _packed(request, [5, 9]) == [5, 9]  # not its sequence: taken as it is
-    assert _packed(request, [5, 6, 7, 9, 10]) == [5, 6, 7, 9, 10]
+    assert request.state_key([5, 9]) == [5, 9]  # not its sequence: taken as it is
+    assert request.state_key([5, 6, 7, 9, 10]) == [5, 6, 7, 9, 10]

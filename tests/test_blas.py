@@ -2,7 +2,7 @@ import sys
 
 import pytest
 
-from app.blas import describe, find_openblas, openblas_loaded
+from app.runtime.blas import describe, find_openblas, openblas_loaded
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux-only")

@@ -10,8 +10,8 @@ import time
 import mlx.core as mx
 import pytest
 
-import app.engine as engine_module
 from app.engine import Failed, Finished, SamplingParams
+from app.runtime import memory
 from app.server import build_engine
 from app.settings import Settings
 
@@ -29,7 +29,7 @@ def finish(engine, prompt: list[int]) -> None:
 
 def test_memory_is_released_once_idle(tiny_model_dir, monkeypatch):
     released: list[float] = []
-    monkeypatch.setattr(engine_module, "_release_memory", lambda: released.append(1.0))
+    monkeypatch.setattr(memory, "release_memory", lambda: released.append(1.0))
     engine = build_engine(Settings(), str(tiny_model_dir))
     engine.release_after = 1.0
     prompt = engine.tokenizer.encode("hello there, how are you?")
@@ -49,7 +49,7 @@ def test_memory_is_released_once_idle(tiny_model_dir, monkeypatch):
 
 def test_the_heap_is_trimmed_each_time_the_engine_goes_idle(tiny_model_dir, monkeypatch):
     trims: list[int] = []
-    monkeypatch.setattr(engine_module, "_trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(1))
     engine = build_engine(Settings(), str(tiny_model_dir))
     engine.release_after = 60.0  # the full release (MLX's pool too) does not come into it
     prompt = engine.tokenizer.encode("hello there, how are you?")
@@ -67,7 +67,7 @@ def test_the_heap_is_trimmed_each_time_the_engine_goes_idle(tiny_model_dir, monk
 
 FREE_AND_MEASURE = r"""
 import ctypes, sys
-from app.engine import _trim_heap, unmap_large_blocks
+from app.runtime.memory import trim_heap, unmap_large_blocks
 
 block, count, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 libc = ctypes.CDLL("libc.so.6")
@@ -89,7 +89,7 @@ before = rss()
 for p in blocks[:-1]:  # the last one stays, as a cache segment would, so the heap cannot shrink
     libc.free(p)
 if how == "trim":
-    _trim_heap()
+    trim_heap()
 print((before - rss()) >> 20)
 """
 
@@ -108,14 +108,14 @@ def returned_mib(block: int, count: int, how: str) -> int:
     return probe(FREE_AND_MEASURE, block, count, how)
 
 
-@pytest.mark.skipif(engine_module._libc is None, reason="glibc only")
+@pytest.mark.skipif(memory._libc is None, reason="glibc only")
 def test_trimming_returns_freed_heap_pages_to_the_system():
     # Blocks the size of a cache segment stay under the pinned threshold, in the heap.
     assert returned_mib(64 << 10, 1024, "trim") >= 56  # 64 MiB freed
     assert returned_mib(64 << 10, 1024, "neither") <= 8  # what the trim changes: glibc keeps them
 
 
-@pytest.mark.skipif(engine_module._libc is None, reason="glibc only")
+@pytest.mark.skipif(memory._libc is None, reason="glibc only")
 def test_freed_large_blocks_go_back_to_the_system_at_once():
     assert returned_mib(2 << 20, 32, "pin") >= 56  # 62 MiB freed
     assert returned_mib(2 << 20, 32, "neither") <= 8  # what the pin changes: glibc keeps them
@@ -124,7 +124,7 @@ def test_freed_large_blocks_go_back_to_the_system_at_once():
 POOLED_AFTER_FREE = r"""
 import sys
 import mlx.core as mx
-from app.engine import limit_buffer_pool
+from app.runtime.memory import limit_buffer_pool
 
 if sys.argv[1] == "limit":
     assert limit_buffer_pool(4 << 20)

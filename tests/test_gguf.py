@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.models import llama
 
 from app.cli import main
-from app.gguf import GGUFError, import_gguf, unpermute
+from app.models.gguf import GGUFError, import_gguf, unpermute
 
 CONFIG = {
     "model_type": "llama",

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-import app.engine
+import app.engine.batch
+import app.engine.request
 from app.engine import Delta, Engine, Failed, Finished, SamplingParams
 from app.server import build_engine
 from app.settings import Settings
@@ -63,7 +64,8 @@ def fails_after(calls: int, fn):
 @pytest.fixture
 def faulty(monkeypatch):
     """Break the sampler of requests with top_p=0.5 and a processor of presence_penalty=0.5."""
-    real_sampler, real_processors = app.engine.make_sampler, app.engine.make_processors
+    real_sampler = app.engine.request.make_sampler
+    real_processors = app.engine.request.make_processors
 
     def make_sampler(temperature, top_p, *args):
         sampler = real_sampler(temperature, top_p, *args)
@@ -75,8 +77,8 @@ def faulty(monkeypatch):
             processors = [*processors, fails_after(3, lambda _tokens, logits: logits)]
         return processors
 
-    monkeypatch.setattr(app.engine, "make_sampler", make_sampler)
-    monkeypatch.setattr(app.engine, "make_processors", make_processors)
+    monkeypatch.setattr(app.engine.request, "make_sampler", make_sampler)
+    monkeypatch.setattr(app.engine.request, "make_processors", make_processors)
 
 
 def solo_runs(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -163,7 +165,7 @@ def test_requests_taken_when_the_batch_cannot_start_are_answered(tiny_model_dir,
     def broken(*args, **kwargs):
         raise RuntimeError("no memory for a new batch (simulated)")
 
-    monkeypatch.setattr(app.engine, "BatchGenerator", broken)
+    monkeypatch.setattr(app.engine.batch, "BatchGenerator", broken)
     sinks: list[list[Any]] = [[] for _ in QUESTIONS]
     for q, sink in zip(QUESTIONS, sinks, strict=True):
         engine.submit(prompt(engine.tokenizer, q), GREEDY, sink.append)

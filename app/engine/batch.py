@@ -1,0 +1,245 @@
+"""The running batch: admission into mlx-lm's `BatchGenerator`, its steps, and exits.
+
+Owned by the engine thread alone. A request enters through `intake` (planned by
+`admission.plan_admission`), is prefilled on its own (`prefill.prefill_alone`)
+or with others by the generator, yields one token per step (`output`), and
+leaves finished, stopped, cancelled or failed; its KV goes into the prompt cache
+on the way out, and a shared prefix as soon as it is prefilled.
+
+Invariants: `active` maps the generator's uid of every admitted, unended request
+to it; a request that leaves `active` has been ended (`Request.end`); a failure
+that belongs to one request (its sampling, its admission) ends that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from prompt_cache import fresh_cache
+
+from .admission import plan_admission
+from .events import Failed, Finished, Started
+from .output import next_output
+from .prefill import prefill_alone
+from .request import Request, with_followers
+from .text import StopMatcher
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("mlx_cache_server.engine")
+
+State = tuple[list[Any], list[int]]  # a sequence's KV cache and its tokens
+
+
+class Batch:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.gen = BatchGenerator(engine.model, **engine.batch_args)
+        self.active: dict[int, Request] = {}
+
+    def close(self) -> None:
+        self.gen.close()
+
+    def everyone(self) -> list[Request]:
+        return with_followers(list(self.active.values()))
+
+    # -------------------------------------------------------------- entering
+
+    def intake(self, new: list[Request]) -> None:
+        cache = self.engine.cache
+        if cache is None:
+            for request in new:
+                self._admit(request, alone=len(new) == 1)
+            return
+        prefilling = [r for r in self.active.values() if r.prefilling]
+        plan = plan_admission(
+            new,
+            prefilling,
+            cached=lambda r: cache.peek(r.cache_key, r.packed)[1],
+            min_shared=self.engine.min_shared_prefix,
+        )
+        for follower, leader in plan.leader_of.items():
+            leader.followers.append(follower)
+        for leader, boundary in plan.boundary.items():
+            leader.boundary = boundary
+        for request in plan.admit:
+            self._admit(request, alone=len(plan.admit) == 1)
+
+    def _admit(self, request: Request, alone: bool) -> None:
+        try:
+            self._start(request, alone)
+        except Exception:  # this request and those waiting on it fail; the batch runs on
+            log.exception("admitting a request failed")
+            self.engine.fail([request], "Generation failed on the server. Retry.")
+            request.followers = []
+
+    def _start(self, request: Request, alone: bool) -> None:
+        engine = self.engine
+        if request.cancelled:
+            request.end(Finished("cancelled", 0))
+            self._release(request)
+            return
+        tokens, p = request.tokens, request.params
+        cached, n = None, 0
+        if engine.cache is not None:
+            found = engine.cache.fetch(request.cache_key, request.packed)
+            cached, n = found.cache, found.n_cached
+        request.detok = engine.tokenizer.detokenizer
+        request.stops = StopMatcher(p.stop)
+        sampler, processors = request.sampling()
+        engine.stats.admitted += 1
+        request.emit(Started(prompt_tokens=len(tokens), cached_tokens=n))
+        # Prefilling here holds up the batch's decoding until done: for one step's
+        # worth of tokens that is what BatchGenerator does too; for more, only
+        # when nobody else is running.
+        short = len(tokens) - n <= engine.prefill_step_size
+        if alone and not request.followers and (short or not self.active):
+            self._start_alone(request, cached or fresh_cache(engine.model), n, sampler, processors)
+            return
+        segments = [tokens[n:]]
+        if n < request.boundary < len(tokens):
+            segments = [tokens[n : request.boundary], tokens[request.boundary :]]
+        (request.uid,) = self.gen.insert_segments(
+            [segments],
+            max_tokens=[p.max_tokens],
+            caches=[cached],
+            all_tokens=[tokens[:n]],
+            samplers=[sampler],
+            logits_processors=[processors],
+        )
+        request.prefilling = True
+        self.active[request.uid] = request
+
+    def _start_alone(self, request: Request, cache: list, n: int, sampler, processors) -> None:
+        engine, tokens = self.engine, request.tokens
+        with mx.stream(self.gen.stream):
+            first, logprobs = prefill_alone(
+                engine.model, tokens, cache, n, engine.prefill_step_size, sampler, processors
+            )
+        if request.fault is not None:
+            self._fail_faulted(request)
+            return
+        finish = "stop" if first in engine.tokenizer.eos_token_ids else None
+        if finish is None and request.params.max_tokens <= 1:
+            finish = "length"
+        if self._deliver(request, first, logprobs, finish, lambda: (cache, tokens)):
+            return
+        (request.uid,) = self.gen.insert(
+            [[first]],
+            max_tokens=[request.params.max_tokens - 1],
+            caches=[cache],
+            all_tokens=[list(tokens)],  # BatchGenerator appends to it
+            samplers=[sampler],
+            logits_processors=[processors],
+        )
+        self.active[request.uid] = request
+        # Cached now, not only when it ends: requests that arrived during this
+        # prefill (chats opening with this system prompt, say) reuse it at once.
+        self._store(request, (cache, tokens))
+
+    def _release(self, leader: Request) -> None:
+        """Admit those waiting for `leader`'s prefix: it is cached, or will never be."""
+        followers, leader.followers = leader.followers, []
+        for request in followers:
+            self._admit(request, alone=len(followers) == 1)
+
+    # ----------------------------------------------------------------- steps
+
+    def step(self) -> None:
+        """One prefill or decode step of the batch, its results handled.
+
+        A method of its own so the step's responses die with it: a finished
+        sequence's response holds its whole KV, which, left in a loop variable,
+        would stay alive while the next request's own KV is fetched and prefilled.
+        """
+        prefills, responses = self.gen.next()
+        for progress in prefills:
+            self._on_prefill(progress)
+        for r in responses:
+            request = self.active[r.uid]
+            if request.fault is not None:
+                if r.finish_reason is not None:  # out of the batch already
+                    self._fail_faulted(self.active.pop(r.uid))
+                continue
+
+            def state(r: Any = r) -> State | None:
+                if r.finish_reason is None:  # stopped by a stop string: take it out
+                    return self.gen.remove([r.uid], return_prompt_caches=True).get(r.uid)
+                return r.prompt_cache, r.all_tokens
+
+            self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
+        self._drop_faulted()
+
+    def _on_prefill(self, progress: Any) -> None:
+        request = self.active.get(progress.uid)
+        if request is None:
+            return
+        if progress.end_of_prompt:
+            request.prefilling = False
+        if request.followers and (progress.end_of_segment or progress.end_of_prompt):
+            self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
+            self._release(request)
+
+    def _deliver(self, request: Request, token: int, logprobs: mx.array, finish, state) -> bool:
+        """Send one generated token on; when it ends the request, cache its KV and say so."""
+        delta, reason = next_output(request, self.engine.tokenizer, token, logprobs, finish)
+        if reason is None:
+            if delta.text or delta.logprobs:
+                request.emit(delta)
+            return False
+        # The client hears the end first; the cache insert follows on this same thread,
+        # so no later request can be admitted before it is done.
+        kv = state()
+        if delta.text or delta.logprobs:
+            request.emit(delta)
+        request.end(Finished(reason, request.generated))
+        self.active.pop(request.uid, None)
+        self.engine.stats.finished += 1
+        self._store(request, kv)
+        return True
+
+    def _store(self, request: Request, state: State | None) -> None:
+        """Put a sequence's KV into the cache, for the next turn or for waiting requests."""
+        cache = self.engine.cache
+        if cache is None or state is None or not state[0] or not state[1]:
+            return
+        kv, tokens = state
+        try:
+            cache.insert(request.cache_key, request.state_key(tokens), kv)
+        except ValueError as e:  # never worth failing a request over
+            log.warning("not caching a sequence of %d tokens: %s", len(tokens), e)
+
+    # ----------------------------------------------------------------- exits
+
+    def drop_cancelled(self) -> None:
+        gone = [uid for uid, request in self.active.items() if request.cancelled]
+        if not gone:
+            return
+        caches = self.gen.remove(gone, return_prompt_caches=True)
+        for uid in gone:
+            self._store(self.active[uid], caches.get(uid))
+            request = self.active.pop(uid)
+            request.end(Finished("cancelled", request.generated))
+            self.engine.stats.cancelled += 1
+            self._release(request)
+
+    def _drop_faulted(self) -> None:
+        """Take requests whose own sampler or processors raised out of the batch; fail them."""
+        faulted = [uid for uid, request in self.active.items() if request.fault is not None]
+        if faulted:
+            self.gen.remove(faulted)
+            for uid in faulted:
+                self._fail_faulted(self.active.pop(uid))
+
+    def _fail_faulted(self, request: Request) -> None:
+        log.error("a request's sampling failed: %r", request.fault)
+        followers, request.followers = request.followers, []
+        request.end(Failed("Sampling failed for this request's parameters."))
+        self.engine.stats.failed += 1
+        for follower in followers:  # they wait for a prefix, not for this request's output
+            self.engine.requeue(follower)

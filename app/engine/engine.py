@@ -1,0 +1,209 @@
+"""The generation engine: one thread owns MLX and serves every request.
+
+Requests arrive on a queue; the engine thread takes each one's starting state
+from the prompt cache, runs all of them together in one `Batch` (mlx-lm's
+continuous batching), and streams events back to the asyncio handlers through
+`loop.call_soon_threadsafe`, so the event loop never waits on the model. When a
+request ends (finished, stopped or cancelled) the KV of its prompt plus what it
+generated goes back into the cache for the next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import mlx.core as mx
+
+from prompt_cache import PromptCache
+
+from ..runtime import memory
+from .batch import Batch
+from .events import EngineStats, Event, Failed, Finished, SamplingParams
+from .request import Request, with_followers
+
+log = logging.getLogger("mlx_cache_server.engine")
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_id: str,
+        cache: PromptCache | None,
+        context_length: int,
+        completion_batch_size: int = 16,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 512,
+        min_shared_prefix: int = 32,
+        release_after: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.cache = cache
+        self.context_length = context_length
+        self.min_shared_prefix = min_shared_prefix
+        self.prefill_step_size = prefill_step_size
+        self.release_after = release_after  # idle seconds before pooled memory goes back
+        self.clock = clock
+        self.completion_batch_size = completion_batch_size
+        args = getattr(model, "args", None)
+        self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
+        # Most characters one token stands for: bounds a prompt's tokens from its length.
+        self.max_token_chars: int = max(map(len, tokenizer.vocab), default=1)
+        self.batch_args = {
+            "completion_batch_size": completion_batch_size,
+            "prefill_batch_size": prefill_batch_size,
+            "prefill_step_size": prefill_step_size,
+            "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
+        }
+        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._stopping = threading.Event()
+        self._release_asked = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.running = 0  # requests admitted and not finished (read by /health)
+        self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)
+        self.stats = EngineStats()
+
+    # ---------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still running or queued fail ("shutting down")."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def release_memory(self) -> None:
+        """Hand pooled memory back to the system as soon as the engine is idle."""
+        self._release_asked.set()
+
+    @property
+    def waiting(self) -> int:
+        return self._inbox.qsize()
+
+    # ------------------------------------------------------------ clients
+
+    def cache_key(self, namespace: str | None = None) -> Any:
+        """The prompt-cache key of this model for a tenant: tenants never share state."""
+        return self.model_id if namespace is None else (self.model_id, namespace)
+
+    def submit(
+        self,
+        tokens: list[int],
+        params: SamplingParams,
+        emit: Callable,
+        namespace: str | None = None,
+    ) -> Request:
+        request = Request(list(tokens), params, emit, self.cache_key(namespace))
+        self._inbox.put(request)
+        if self._stopping.is_set() and not self.alive:  # no thread will take it any more
+            self.fail(self._take(block=False), "The server is shutting down.")
+        return request
+
+    async def stream(
+        self, tokens: list[int], params: SamplingParams, namespace: str | None = None
+    ) -> AsyncIterator[Event]:
+        """Events of one generation; leaving the iteration early cancels it."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is gone; nobody is listening
+                pass
+
+        request = self.submit(tokens, params, emit, namespace)
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, Finished | Failed):
+                    return
+        finally:
+            request.cancel()
+
+    # ------------------------------------------------------- engine thread
+
+    def requeue(self, request: Request) -> None:
+        self._inbox.put(request)
+
+    def fail(self, requests: list[Request], message: str) -> None:
+        """End these requests and those waiting on them with `message`, each once."""
+        for request in dict.fromkeys(with_followers(requests)):
+            if not request.ended:
+                request.end(Failed(message))
+                self.stats.failed += 1
+
+    def _loop(self) -> None:
+        batch: Batch | None = None
+        idle_since: float | None = None  # set when the last request ended; None once released
+        while not self._stopping.is_set():
+            new: list[Request] = []
+            try:
+                new = self._take(block=batch is None or not batch.active)
+                if new:
+                    batch = batch or Batch(self)
+                    batch.intake(new)
+                if batch is not None and batch.active:
+                    idle_since = None
+                    batch.drop_cancelled()
+                    if batch.active:
+                        batch.step()
+                    if not batch.active:  # the last request just left
+                        memory.trim_heap()
+                        idle_since = self.clock()
+                elif self._release_asked.is_set() or (
+                    idle_since is not None and self.clock() - idle_since > self.release_after
+                ):
+                    # Only after a pause: back-to-back turns would each pay to fault
+                    # freshly allocated buffers back in.
+                    self._release_asked.clear()
+                    memory.release_memory()
+                    idle_since = None
+            except Exception:  # keep serving: fail what was running, start afresh
+                # What a request supplies runs guarded (`request.guarded`), so what lands
+                # here is the batch's own failure. Requests taken but not yet admitted fail
+                # too: nobody is left waiting for an event that will never come.
+                log.exception("generation failed")
+                running = batch.everyone() if batch is not None else []
+                self.fail([*new, *running], "Generation failed on the server. Retry.")
+                if batch is not None:
+                    batch.close()
+                batch = None
+                idle_since = self.clock()  # what the failed batch held can go back too
+            finally:
+                self.running = len(batch.active) if batch is not None else 0
+        running = batch.everyone() if batch is not None else []
+        self.fail([*running, *self._take(block=False)], "The server is shutting down.")
+        if batch is not None:
+            batch.close()
+        mx.synchronize()  # finish the cache's asynchronous copies before the thread ends
+
+    def _take(self, block: bool) -> list[Request]:
+        taken = []
+        try:
+            if block:
+                taken.append(self._inbox.get(timeout=0.1))
+            while True:
+                taken.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return taken

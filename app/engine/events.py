@@ -1,0 +1,73 @@
+"""What a request asks of the engine, and the events the engine sends back.
+
+A request's events are `Started` once admitted, `Delta`s as text is produced,
+and exactly one of `Finished` or `Failed` to end it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # None: no logprobs; else how many alternatives per token
+
+
+@dataclass
+class Candidate:
+    token: int
+    text: str
+    bytes: bytes  # the token's own bytes: part of a character for some tokens
+    logprob: float
+
+
+@dataclass
+class TokenLogprob(Candidate):
+    top: list[Candidate] = field(default_factory=list)
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Delta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop", "length" or "cancelled"
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str  # for the client: says what it can act on, never internal detail
+    status: int = 500
+    type: str = "server_error"
+
+
+Event = Started | Delta | Finished | Failed
+
+
+@dataclass
+class EngineStats:
+    admitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0

@@ -1,0 +1,43 @@
+"""A lone request's prefill, ending in its first token sampled from the prompt's own logits.
+
+`BatchGenerator` prefills all but the last prompt token and produces the first
+token with a separate one-token decode step; on a bandwidth-bound machine that
+step costs as much as prefilling dozens of tokens. A request admitted on its
+own skips it here, then joins the batch with its first token as its prompt.
+Requests admitted together keep the batched path, which prefills them in one
+forward pass. (bench/README.md, "First token", has the measurements.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from .last_logits import last_logits
+
+
+def prefill_alone(
+    model: Any,
+    tokens: list[int],
+    cache: list[Any],
+    n_cached: int,
+    step: int,
+    sampler: Callable,
+    processors: list[Callable],
+) -> tuple[int, mx.array]:
+    """Run `tokens[n_cached:]` into `cache` in chunks of `step`; the first token and its
+    logprobs (one row)."""
+    *chunks, last = range(n_cached, len(tokens), step)
+    for at in chunks:  # evaluated one by one: activations stay one step's size
+        model(mx.array(tokens[at : at + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = last_logits(model, mx.array(tokens[last:])[None], cache)
+    context = mx.array(tokens, dtype=mx.int32)
+    for processor in processors:
+        logits = processor(context, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    token = sampler(logprobs)
+    mx.eval(token, logprobs)
+    return int(token.item()), logprobs[0]

@@ -1,0 +1,1 @@
+"""Where weights come from: loading a model folder, GGUF import, the embedded default model."""

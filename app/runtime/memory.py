@@ -1,0 +1,83 @@
+"""How freed memory goes back to the system: glibc's heaps and MLX's buffer pool.
+
+Measurements behind the settings here are in bench/README.md ("Memory").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+import mlx.core as mx
+
+
+def release_memory() -> None:
+    """Idle for a while: hand pooled memory back to the system.
+
+    MLX pools freed buffers, and glibc keeps freed heap pages; both would hold a
+    busy hour's peak for as long as the server lives.
+    """
+    mx.clear_cache()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return freed heap pages to the system, keeping MLX's pool.
+
+    Pages freed between the cache's long-lived segments stay resident until
+    trimmed. The pool is reused by the next request as it is, so this is cheap
+    enough to run whenever the engine goes idle.
+    """
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
+_M_MMAP_THRESHOLD, _M_MMAP_MAX = -3, -4
+
+
+def unmap_large_blocks(threshold: int = 1 << 20, max_blocks: int = 32768) -> bool:
+    """Have glibc map every block of `threshold` bytes or more on its own, for the process.
+
+    glibc does that by default, but raises the threshold (up to 32 MiB) each time
+    such a block is freed; after that, a batch's multi-MiB KV buffers come from its
+    heaps, where freed ones stay resident. Pinned, they go back to the system when
+    freed. At 1 MiB, blocks the size of one turn's activations or a cache segment
+    still come from the heaps (the idle trim returns those); a lower threshold
+    made every turn fault them in afresh. Past `max_blocks` mapped blocks glibc
+    uses its heaps again, well under the kernel's limit on mappings (65530 by
+    default). Call it before loading the model; False where the C library is not
+    glibc.
+    """
+    if _libc is None:
+        return False
+    return bool(
+        _libc.mallopt(_M_MMAP_THRESHOLD, threshold) and _libc.mallopt(_M_MMAP_MAX, max_blocks)
+    )
+
+
+def limit_buffer_pool(limit: int = 4 << 20) -> bool:
+    """On MLX's CPU backend, pool at most `limit` bytes of freed buffers.
+
+    MLX keeps freed buffers for reuse, by default up to its memory limit; between
+    requests that pool held one prefill's activations on top of the cache's
+    budget. On the CPU, malloc serves a fresh buffer nearly as fast. Metal and
+    CUDA, where a fresh buffer costs a driver call and which were not measured,
+    keep MLX's default. False if not on the CPU.
+    """
+    if mx.default_device().type != mx.cpu:
+        return False
+    mx.set_cache_limit(limit)
+    return True
