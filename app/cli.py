@@ -106,10 +106,10 @@ def import_command(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from .connections import uvicorn_config
     from .runtime.blas import describe as describe_blas
     from .runtime.memory import limit_buffer_pool, unmap_large_blocks
-    from .server import build_engine, create_app, weights_dtype
+    from .server.app import build_engine, create_app, weights_dtype
+    from .server.connections import uvicorn_config
     from .settings import describe_size, load_settings
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from app.connections import uvicorn_config
 from app.engine import Engine
 from app.server import build_engine, create_app
+from app.server.connections import uvicorn_config
 from app.settings import Settings
 
 

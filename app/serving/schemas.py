@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class _Request(BaseModel):
@@ -48,7 +48,9 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
-class _Sampling(_Request):
+class SamplingFields(_Request):
+    """What chat and text completion requests share."""
+
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
@@ -81,7 +83,7 @@ class _Sampling(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -93,7 +95,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
@@ -150,6 +152,23 @@ class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        # OpenAI sends only what a delta adds: the last chunk's delta is {}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class _UsageWhenAsked(BaseModel):
+    """A stream chunk: "usage" appears (null until the last chunk) only when it was asked
+    for with stream_options.include_usage, i.e. only when set."""
+
+    @model_serializer(mode="wrap")
+    def _usage_when_set(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if "usage" not in self.model_fields_set:
+            out.pop("usage", None)
+        return out
+
 
 class ChunkChoice(BaseModel):
     index: int
@@ -158,7 +177,7 @@ class ChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_UsageWhenAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -182,6 +201,15 @@ class CompletionChoice(BaseModel):
 
 
 class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(_UsageWhenAsked):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel
 
+from ...serving.errors import APIError
 from ..auth import Admin
-from ..deps import EngineDep
-from ..errors import APIError
+from ..state import State
 
 router = APIRouter(tags=["cache"], dependencies=[Admin])
 
@@ -55,8 +55,8 @@ def _split(key: Any) -> tuple[str, str | None]:
 
 
 @router.get("/v1/cache", response_model=CacheReport, summary="Prompt cache statistics")
-async def cache_stats(engine: EngineDep) -> CacheReport:
-    cache = engine.cache
+async def cache_stats(state: State) -> CacheReport:
+    cache = state.engine.cache
     if cache is None:
         return CacheReport(enabled=False)
     models = []
@@ -91,11 +91,12 @@ async def cache_stats(engine: EngineDep) -> CacheReport:
 
 
 @router.delete("/v1/cache", response_model=Cleared, summary="Flush the prompt cache")
-async def cache_flush(engine: EngineDep, request: Request, model: str | None = None) -> Cleared:
+async def cache_flush(state: State, model: str | None = None) -> Cleared:
+    engine = state.engine
     cache = engine.cache
     if cache is None:
         return Cleared(cleared=0)
-    if model is not None and model not in request.app.state.model_aliases:
+    if model is not None and model not in state.model_aliases:
         raise APIError(404, f"The model '{model}' is not served here.", param="model")
     keys = cache.models()  # every tenant's namespace of the one served model
     for key in keys:

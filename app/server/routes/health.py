@@ -5,14 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from ..deps import EngineDep
-from ..schemas import Health
+from ...serving.schemas import Health
+from ..state import State
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health", response_model=Health, summary="Is the server able to serve?")
-async def health(engine: EngineDep):
+async def health(state: State):
+    engine = state.engine
     body = Health(
         status="ok" if engine.alive else "unavailable",
         model=engine.model_id,

@@ -12,7 +12,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from .errors import APIError
+from ..serving.errors import APIError
+from .state import server_state
 
 
 def tenant_of(key: str) -> str:
@@ -33,7 +34,7 @@ def _matches(token: str | None, keys: list[str]) -> bool:
 
 def authorize(request: Request) -> str | None:
     """The caller's tenant (None when the server has no keys)."""
-    keys: list[str] = request.app.state.api_keys
+    keys = server_state(request).settings.api_keys
     if not keys:
         return None
     token = _bearer(request)
@@ -53,9 +54,10 @@ def authorize_admin(request: Request) -> None:
     Without API keys the server is open and so are they; with API keys they need
     the admin key, and are off when none is set.
     """
-    admin: str | None = request.app.state.admin_key
+    settings = server_state(request).settings
+    admin = settings.admin_key
     if admin is None:
-        if request.app.state.api_keys:
+        if settings.api_keys:
             raise APIError(
                 403,
                 "Admin routes are off: this server has API keys and no admin key. "

@@ -20,8 +20,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import error_body
-from .settings import Settings
+from ..serving.errors import error_body
+from ..settings import Settings
 
 log = logging.getLogger("mlx_cache_server.connections")
 

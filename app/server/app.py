@@ -1,4 +1,4 @@
-"""The FastAPI application and the engine it serves from."""
+"""The FastAPI application: the engine it serves from, its routes, middleware and docs."""
 
 from __future__ import annotations
 
@@ -15,23 +15,23 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from prompt_cache import PromptCache
 
+from ..engine import Engine
+from ..serving.chat import ChatCompletionsServing
+from ..serving.completions import CompletionsServing
+from ..serving.metrics import Metrics
+from ..serving.schemas import ErrorResponse
+from ..settings import Settings
 from . import errors
 from .auth import authorize
 from .connections import HeaderLimit, WriteTimeout
-from .engine import Engine
-from .generation import Limits
-from .metrics import Metrics
 from .middleware import BodyLimit, RequestCounter
 from .routes import cache, chat, completions, health, metrics, models
-from .schemas import ErrorResponse
-from .settings import Settings
+from .state import ServerState
 
 log = logging.getLogger("mlx_cache_server")
 
 
-def create_app(
-    engine: Engine, limits: Limits | None = None, settings: Settings | None = None
-) -> FastAPI:
+def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     app = FastAPI(
         title="mlx-cache-server",
@@ -41,13 +41,17 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.state.engine = engine
-    app.state.limits = limits or limits_of(settings)
-    app.state.started = int(time.time())
-    app.state.model_aliases = model_aliases(engine.model_id)
-    app.state.api_keys = list(settings.api_keys)
-    app.state.admin_key = settings.admin_key
-    app.state.metrics = Metrics(engine)
+    aliases = model_aliases(engine.model_id)
+    metrics_ = Metrics(engine)
+    app.state.server = ServerState(
+        engine=engine,
+        settings=settings,
+        metrics=metrics_,
+        started=int(time.time()),
+        model_aliases=aliases,
+        chat=ChatCompletionsServing(engine, settings, metrics_, aliases),
+        completions=CompletionsServing(engine, settings, metrics_, aliases),
+    )
     errors.install(app)
     for module in (chat, completions, models, health, cache, metrics):
         app.include_router(module.router)
@@ -65,7 +69,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(HeaderLimit)
     app.add_middleware(WriteTimeout, seconds=settings.write_timeout)
-    app.add_middleware(RequestCounter, metrics=app.state.metrics)
+    app.add_middleware(RequestCounter, metrics=metrics_)
     return app
 
 
@@ -76,6 +80,8 @@ _ERROR_CODES = {
     "408": "Generation took longer than the request timeout",
     "413": "Request body too large",
     "429": "Too many requests waiting; retry after the Retry-After header",
+    "403": "Admin routes are off: the server has API keys and no admin key",
+    "431": "Request headers too large, or too many",
 }
 _GENERATION = ("/v1/chat/completions", "/v1/completions")
 
@@ -95,7 +101,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             if path == "/health":
                 responses["503"] = {"description": "The engine is not running"}
                 continue
-            codes = ["400", "401", "413"]
+            codes = ["400", "401", "413", "431"]
+            if path in ("/v1/cache", "/metrics"):
+                codes.append("403")
             if path in _GENERATION:
                 codes += ["404", "408", "429"]
                 responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
@@ -147,16 +155,6 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         completion_batch_size=settings.completion_batch_size,
         prefill_batch_size=settings.prefill_batch_size,
         prefill_step_size=settings.prefill_step_size,
-    )
-
-
-def limits_of(settings: Settings) -> Limits:
-    return Limits(
-        max_tokens_cap=settings.max_tokens_cap,
-        default_max_tokens=settings.default_max_tokens,
-        max_messages=settings.max_messages,
-        max_queue=settings.max_queue,
-        request_timeout=settings.request_timeout,
     )
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import error_body
-from .metrics import Metrics
+from ..serving.errors import error_body
+from ..serving.metrics import Metrics
 
 
 class RequestCounter:

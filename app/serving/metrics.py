@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
@@ -76,7 +76,8 @@ class _EngineCollector:
             shortened.add_metric(names, stats.shortened)
             reuse.add_metric(names, stats.reuse)
         yield from (seqs, nbytes, evictions, shortened, reuse)
-        yield _gauge("mlx_cache_budget_bytes", "The cache's byte budget", cache.max_bytes)
+        if cache.byte_budget is not None:
+            yield _gauge("mlx_cache_budget_bytes", "The cache's byte budget", cache.byte_budget)
 
 
 def _labels(key: Any) -> list[str]:

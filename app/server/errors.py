@@ -1,4 +1,4 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Exception handlers: every error leaves the server in OpenAI's shape, never a bare 422 or 500."""
 
 from __future__ import annotations
 
@@ -10,27 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..serving.errors import APIError, error_body
+
 log = logging.getLogger("mlx_cache_server.errors")
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None):
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def _param(loc: tuple) -> str | None:

@@ -1,0 +1,19 @@
+"""POST /v1/completions (legacy text completions)"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ...serving.schemas import Completion, CompletionRequest
+from ..auth import Tenant
+from ..state import State
+from .chat import ERRORS
+
+router = APIRouter(tags=["completions"])
+
+
+@router.post(
+    "/v1/completions", response_model=Completion, responses=ERRORS, summary="Create a completion"
+)
+async def create_completion(req: CompletionRequest, request: Request, state: State, tenant: Tenant):
+    return await state.completions.create(req, request, tenant)

@@ -1,0 +1,32 @@
+"""What the server shares between requests, typed: one object on `app.state.server`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ..engine import Engine
+from ..serving.chat import ChatCompletionsServing
+from ..serving.completions import CompletionsServing
+from ..serving.metrics import Metrics
+from ..settings import Settings
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    settings: Settings  # the one source of every limit
+    metrics: Metrics
+    started: int  # when the server started, as models' `created`
+    model_aliases: set[str]  # names a request may use for the served model
+    chat: ChatCompletionsServing
+    completions: CompletionsServing
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(server_state)]

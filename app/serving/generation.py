@@ -1,0 +1,187 @@
+"""One generation as a handler runs it: off the event loop, under a deadline, recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from ..engine import Delta, Engine, Event, Failed, Finished, SamplingParams, Started, TokenLogprob
+from .errors import APIError
+from .limits import Slot
+from .metrics import Metrics
+from .schemas import PromptTokensDetails, Usage
+
+request_log = logging.getLogger("mlx_cache_server.requests")
+T = TypeVar("T")
+
+
+@dataclass
+class RequestContext:
+    """Who asked for what: for logs, metrics, and the tenant's cache namespace."""
+
+    id: str
+    route: str
+    model: str
+    tenant: str | None
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread: tokenizing and templating a long prompt takes long
+    enough to stall every other client's stream if run on the event loop."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; if the client leaves first, `work` (and its generation) is cancelled.
+
+    Streams notice a gone client when a write fails; a request waiting for its
+    whole answer writes nothing until the end, so it listens for the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled():
+        return await task
+    raise APIError(499, "The client closed the connection.", code="client_closed")
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass
+class Result:
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def usage(self) -> Usage:
+        return make_usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+
+
+def make_usage(prompt: int, cached: int, completion: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+async def tracked(
+    engine: Engine,
+    tokens: list[int],
+    params: SamplingParams,
+    ctx: RequestContext,
+    timeout: float,
+    metrics: Metrics,
+    slot: Slot,
+) -> AsyncIterator[Event]:
+    """The engine's events for one request, under its deadline, recorded when it ends.
+
+    Past the deadline the generation is cancelled and a 408 `Failed` ends the stream.
+    The request's slot is freed when it ends.
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + timeout
+    first = started = finished = None
+    events = engine.stream(tokens, params, ctx.tenant)
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), deadline - time.perf_counter())
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                finished = Failed(
+                    f"The request took longer than {timeout:g}s and was stopped.",
+                    status=408,
+                    type="timeout_error",
+                )
+                yield finished
+                return
+            if isinstance(event, Started):
+                started = event
+            elif isinstance(event, Delta) and first is None:
+                first = time.perf_counter()
+            elif isinstance(event, Finished | Failed):
+                finished = event
+            yield event
+    finally:
+        slot.release()
+        await events.aclose()
+        _record(ctx, metrics, t0, first, started, finished)
+
+
+def _record(ctx, metrics, t0, first, started, finished) -> None:
+    total = time.perf_counter() - t0
+    prompt = started.prompt_tokens if started else 0
+    cached = started.cached_tokens if started else 0
+    completion = finished.completion_tokens if isinstance(finished, Finished) else 0
+    if isinstance(finished, Finished):
+        reason = finished.reason
+    else:
+        reason = "error" if finished else "disconnected"
+    if first is not None:
+        metrics.ttft.labels(ctx.route).observe(first - t0)
+    metrics.latency.labels(ctx.route).observe(total)
+    metrics.prompt_tokens.inc(prompt)
+    metrics.cached_tokens.inc(cached)
+    metrics.completion_tokens.inc(completion)
+    request_log.info(
+        json.dumps(
+            {
+                "event": "request",
+                "id": ctx.id,
+                "route": ctx.route,
+                "model": ctx.model,
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "completion_tokens": completion,
+                "ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
+                "total_ms": round(total * 1000, 1),
+                "finish_reason": reason,
+            }
+        )
+    )
+
+
+async def collect(events: AsyncIterator[Event]) -> Result:
+    result = Result()
+    async for event in events:
+        if isinstance(event, Started):
+            result.prompt_tokens, result.cached_tokens = event.prompt_tokens, event.cached_tokens
+        elif isinstance(event, Delta):
+            result.text += event.text
+            result.logprobs += event.logprobs
+        elif isinstance(event, Finished):
+            result.finish_reason = event.reason
+            result.completion_tokens = event.completion_tokens
+        elif isinstance(event, Failed):
+            raise APIError(event.status, event.message, type=event.type)
+    return result
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,160 @@
+"""The bounds a request is checked against before it may generate, and its slot.
+
+Every check raises `APIError` with the status and the parameter a client needs
+to fix its request; nothing here touches the engine's state except the slot.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..engine import Engine, SamplingParams
+from ..settings import Settings
+from .errors import APIError
+from .schemas import SamplingFields
+
+MAX_STOP_SEQUENCES = 16
+
+
+class Slot:
+    """A request's place in the server's capacity (`Engine.in_flight`), from admission to end.
+
+    Taken before the prompt is tokenized, so requests that arrive together are
+    counted together. Freed once: by `tracked` when the request ends, by the
+    handler when it fails before generating, or when the slot is dropped unused
+    (a streaming response whose client left before it started).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        engine.in_flight += 1
+        self.release = weakref.finalize(self, _free_slot, engine)
+
+
+def _free_slot(engine: Engine) -> None:
+    engine.in_flight -= 1
+
+
+def reserve_slot(engine: Engine, settings: Settings) -> Slot:
+    if engine.in_flight >= engine.completion_batch_size + settings.max_queue:
+        raise APIError(
+            429,
+            f"The server is busy: {engine.in_flight} requests are in flight. Retry shortly.",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+    return Slot(engine)
+
+
+def check_prompt_chars(chars: int, engine: Engine, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt that cannot fit the context whatever its tokens.
+
+    No token stands for more characters than the longest in the vocabulary, so
+    past `context_length` times that many characters the prompt is too long; the
+    factor 2 leaves room for normalizers that fold several characters into one.
+    Tokenizing a body of megabytes takes seconds that this check does not.
+    """
+    if chars > 2 * engine.context_length * engine.max_token_chars:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {engine.context_length} tokens, and "
+            f"the prompt's {chars} characters are far more than that. Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def check_model(name: str, engine: Engine, aliases: set[str]) -> None:
+    if name not in aliases:
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist. This server serves '{engine.model_id}'; "
+            "list models with GET /v1/models.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def sampling_params(
+    req: SamplingFields,
+    *,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    engine: Engine,
+    settings: Settings,
+    prompt_param: str,
+) -> SamplingParams:
+    if req.n != 1:
+        raise APIError(400, "Only n=1 is supported; send several requests instead.", param="n")
+    room = engine.context_length - prompt_tokens
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {engine.context_length} tokens, "
+            f"but the prompt has {prompt_tokens} tokens. Shorten the prompt.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = min(room, settings.default_max_tokens)
+    elif max_tokens > settings.max_tokens_cap:
+        raise APIError(
+            400,
+            f"max_tokens is too large: {max_tokens}. This server allows at most "
+            f"{settings.max_tokens_cap}.",
+            param="max_tokens",
+        )
+    elif max_tokens > room:
+        raise APIError(
+            400,
+            f"max_tokens is too large: the prompt has {prompt_tokens} tokens and this model's "
+            f"context is {engine.context_length}, which leaves room for {room}.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if req.top_k > engine.vocab_size:
+        raise APIError(
+            400,
+            f"top_k must be at most the vocabulary size, {engine.vocab_size}; got {req.top_k}.",
+            param="top_k",
+        )
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise APIError(
+            400, f"At most {MAX_STOP_SEQUENCES} stop sequences are allowed.", param="stop"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=stop,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias, engine.vocab_size),
+        logprobs=logprobs,
+    )
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids in [0, {vocab}); got {key!r}.",
+                param="logit_bias",
+            )
+        if not -100 <= value <= 100:
+            raise APIError(400, "logit_bias values must be in [-100, 100].", param="logit_bias")
+        out[token] = value
+    return out
