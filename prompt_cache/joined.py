@@ -26,6 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from .mlx_lm_batch import batch_over, filled
+
 
 class JoinedKVCache(KVCache):
     def __init__(self, key_parts: list[mx.array], value_parts: list[mx.array]) -> None:
@@ -81,12 +83,7 @@ class JoinedKVCache(KVCache):
 
 
 def _batch(padding: list[int], keys: mx.array, values: mx.array, length: int) -> BatchKVCache:
-    """A batch cache over `keys`/`values`, `length` tokens (left padding included) filled."""
-    batch = ViewBatchKVCache(padding)
-    batch.keys, batch.values = keys, values
-    batch.offset += length
-    batch._idx = length
-    return batch
+    return batch_over(ViewBatchKVCache, padding, keys, values, length)
 
 
 class FreshKVCache(KVCache):
@@ -116,8 +113,9 @@ class ViewBatchKVCache(BatchKVCache):
     def extract(self, idx: int) -> KVCache:
         cache = KVCache()
         padding = self.left_padding.tolist()[idx]
-        cache.keys = self.keys[idx : idx + 1, :, padding : self._idx]
-        cache.values = self.values[idx : idx + 1, :, padding : self._idx]
+        keys, values = filled(self)
+        cache.keys = keys[idx : idx + 1, :, padding:]
+        cache.values = values[idx : idx + 1, :, padding:]
         cache.offset = cache.keys.shape[2]
         return cache
 

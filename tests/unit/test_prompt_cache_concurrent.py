@@ -9,9 +9,6 @@ budget holds, nothing stays pinned, and a clear leaves nothing behind.
 
 from __future__ import annotations
 
-import threading
-import time
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -131,30 +128,3 @@ InterleavedOperations.TestCase.settings = settings(
     max_examples=200, stateful_step_count=30, deadline=None
 )
 TestInterleavedOperations = InterleavedOperations.TestCase
-
-
-def test_inserts_and_flushes_from_two_threads_leave_nothing_unreachable():
-    """The engine inserts while an admin flushes: after the last flush the cache is empty."""
-    cache = PromptCache(max_sequences=64, max_bytes=200 * BYTES_PER_TOKEN)
-    stop = time.monotonic() + 1.5
-    failures = []
-
-    def insert_forever():
-        i = 0
-        try:
-            while time.monotonic() < stop:
-                tokens = [i % 5, (i // 5) % 5, i % 3, 7]
-                cache.insert("m", tokens, kv_cache(tokens))
-                i += 1
-        except Exception as e:  # surfaced below: a thread's exception is otherwise lost
-            failures.append(e)
-
-    writer = threading.Thread(target=insert_forever)
-    writer.start()
-    while time.monotonic() < stop:
-        cache.clear()
-    writer.join()
-    cache.clear()
-    assert not failures
-    assert (len(cache), cache.nbytes) == (0, 0)
-    assert_consistent(cache)

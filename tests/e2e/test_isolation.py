@@ -7,7 +7,6 @@ stream; those must finish with exactly the tokens of their solo runs.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import app.engine.request
 from app.engine import Delta, Engine, Failed, Finished, SamplingParams
 from app.server import build_engine
 from app.settings import Settings
+from tests.helpers import ended, wait_until
 
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Say hello in French."]
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
@@ -27,17 +27,6 @@ POISON_PRESENCE = 0.5  # marks the request whose logits processor the fixture br
 def prompt(tokenizer, question: str) -> list[int]:
     messages = [{"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-
-
-def ended(sink: list[Any]) -> bool:
-    return any(isinstance(e, Finished | Failed) for e in sink)
-
-
-def wait_until(condition, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def tokens(sink: list[Any]) -> list[int]:

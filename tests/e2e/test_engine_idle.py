@@ -14,9 +14,11 @@ from app.engine import Failed, Finished, SamplingParams
 from app.runtime import memory
 from app.server import build_engine
 from app.settings import Settings
+from tests.helpers import FakeClock, wait_until
 
 
 def finish(engine, prompt: list[int]) -> None:
+    """Run one request to its end, and until the engine has gone idle after it."""
     done = threading.Event()
 
     def emit(event) -> None:
@@ -25,24 +27,30 @@ def finish(engine, prompt: list[int]) -> None:
 
     engine.submit(prompt, SamplingParams(max_tokens=4, temperature=0), emit)
     assert done.wait(60)
+    wait_until(lambda: engine.running == 0)
 
 
 def test_memory_is_released_once_idle(tiny_model_dir, monkeypatch):
     released: list[float] = []
     monkeypatch.setattr(memory, "release_memory", lambda: released.append(1.0))
     engine = build_engine(Settings(), str(tiny_model_dir))
-    engine.release_after = 1.0
+    engine.clock = clock = FakeClock()
+    engine.release_after = 2.0
     prompt = engine.tokenizer.encode("hello there, how are you?")
     engine.start()
     try:
         for _ in range(3):
             finish(engine, prompt)
-        assert released == []  # the next request came at once: keep the buffers
-        time.sleep(2.5)
+            clock.advance(1.0)  # the next request comes within the pause
+        time.sleep(0.3)  # several idle ticks of the engine, at the same time on its clock
+        assert released == []  # requests came back to back: keep the buffers
+        clock.advance(1.5)
+        wait_until(lambda: released)
+        time.sleep(0.3)
         assert released == [1.0]  # one release per pause, not one per idle tick
         finish(engine, prompt)
-        time.sleep(2.5)
-        assert len(released) == 2
+        clock.advance(2.5)
+        wait_until(lambda: len(released) == 2)
     finally:
         engine.stop()
 
@@ -57,9 +65,7 @@ def test_the_heap_is_trimmed_each_time_the_engine_goes_idle(tiny_model_dir, monk
     try:
         for n in range(1, 4):
             finish(engine, prompt)
-            deadline = time.monotonic() + 10
-            while len(trims) < n and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda n=n: len(trims) >= n, seconds=10)
             assert len(trims) == n  # at once, one per request that left the engine idle
     finally:
         engine.stop()
@@ -147,6 +153,7 @@ import mlx.core as mx
 from app.engine import Failed, Finished, SamplingParams
 from app.server import build_engine
 from app.settings import Settings
+from tests.helpers import FakeClock, wait_until
 
 engine = build_engine(Settings(), sys.argv[1])
 prompt = engine.tokenizer.encode("hello there, how are you? " * 80)

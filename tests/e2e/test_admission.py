@@ -10,6 +10,7 @@ from app.server import build_engine
 from app.settings import Settings
 from prompt_cache import PackedTokens
 from prompt_cache.radix import common_prefix_length, pack
+from tests.helpers import ended, wait_until
 
 SYSTEM = "You are a careful assistant who answers briefly and precisely. " * 5
 
@@ -25,10 +26,7 @@ def run_all(engine, prompts, max_tokens=12):
     for prompt, sink in zip(prompts, events, strict=True):
         engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), sink.append)
     engine.start()
-    deadline = time.monotonic() + 120
-    while not all(any(isinstance(e, Finished) for e in sink) for sink in events):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: all(ended(sink) for sink in events))
     engine.stop()
     started = [next(e for e in sink if isinstance(e, Started)) for sink in events]
     texts = ["".join(e.text for e in sink if isinstance(e, Delta)) for sink in events]

@@ -11,6 +11,7 @@ import mlx.core as mx
 from prompt_cache import PromptCache
 from prompt_cache.radix import iter_nodes
 from tests.fakes import BYTES_PER_TOKEN, kv_cache, same_state
+from tests.unit.test_prompt_cache_concurrent import assert_consistent
 
 THREADS = 16
 SECONDS = 3.0
@@ -81,3 +82,30 @@ def test_sixteen_threads_hammering_one_cache():
         total += model_bytes
     assert total == cache.nbytes <= BUDGET
     assert len(cache) == cache.stats().sequences <= 24
+
+
+def test_inserts_and_flushes_from_two_threads_leave_nothing_unreachable():
+    """The engine inserts while an admin flushes: after the last flush the cache is empty."""
+    cache = PromptCache(max_sequences=64, max_bytes=200 * BYTES_PER_TOKEN)
+    stop = time.monotonic() + 1.5
+    failures = []
+
+    def insert_forever():
+        i = 0
+        try:
+            while time.monotonic() < stop:
+                tokens = [i % 5, (i // 5) % 5, i % 3, 7]
+                cache.insert("m", tokens, kv_cache(tokens))
+                i += 1
+        except Exception as e:  # surfaced below: a thread's exception is otherwise lost
+            failures.append(e)
+
+    writer = threading.Thread(target=insert_forever)
+    writer.start()
+    while time.monotonic() < stop:
+        cache.clear()
+    writer.join()
+    cache.clear()
+    assert not failures
+    assert (len(cache), cache.nbytes) == (0, 0)
+    assert_consistent(cache)

@@ -6,7 +6,6 @@ its one-token decode step instead; both paths must produce the same tokens.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import mlx.core as mx
@@ -15,6 +14,7 @@ import pytest
 from app.engine import Delta, Failed, Finished, SamplingParams, Started
 from app.server import build_engine
 from app.settings import Settings
+from tests.helpers import ended, wait_until
 
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Say hello in French."]
 
@@ -43,14 +43,8 @@ def collect(engine, prompts, params: SamplingParams, together: bool) -> list[lis
     """Run `prompts` all in one admission (together) or each on its own, in order."""
     sinks: list[list[Any]] = [[] for _ in prompts]
 
-    def done(sink: list[Any]) -> bool:
-        return any(isinstance(e, Finished | Failed) for e in sink)
-
     def wait(which: list[list[Any]]) -> None:
-        deadline = time.monotonic() + 120
-        while not all(done(s) for s in which):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_until(lambda: all(ended(s) for s in which))
 
     if together:  # queued before the engine thread starts: one intake takes them all
         for p, sink in zip(prompts, sinks, strict=True):

@@ -1,0 +1,35 @@
+"""Waiting on the engine and the server without sleeping longer than needed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from app.engine import Failed, Finished
+
+
+def wait_until(condition: Callable[[], Any], seconds: float = 60) -> None:
+    """Poll `condition` until it holds; fail the test after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.005)
+
+
+def ended(sink: list[Any]) -> bool:
+    """Whether a request's collected events include its last one."""
+    return any(isinstance(e, Finished | Failed) for e in sink)
+
+
+class FakeClock:
+    """A clock the test moves by hand, for the engine's idle timing."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
