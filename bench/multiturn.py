@@ -82,7 +82,7 @@ class ChatShape(NamedTuple):
 
 @dataclass
 class Server:
-    kind: str  # "ours", "ours-nocache" or "peer"
+    kind: str  # "ours", "ours-nocache", "peer" or "ours@PATH"
     port: int
     proc: subprocess.Popen | None = None
     peak_rss: int = 0
@@ -138,13 +138,16 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
         ]
         if kind == "ours-nocache":
             cmd.append("--no-cache")
+    # "ours@PATH": our server from another checkout (say, the previous commit), run from
+    # its folder so that `-m app` imports that tree's code.
+    cwd = kind.partition("@")[2] or None
     env = dict(os.environ, MLX_CACHE_SERVER_BLAS_CHECKED="1")
     lib = find_openblas()
     if lib:
         env["LD_PRELOAD"] = lib  # both servers get the same BLAS
     log = Path(tempfile.mkstemp(prefix=f"bench-{kind}-", suffix=".log")[1])
     with log.open("wb") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
@@ -349,7 +352,7 @@ class Workloads:
 
 def observe(server: Server) -> None:
     """Track the most bytes our cache has held (the peer's come from its log at stop)."""
-    if server.kind == "ours":
+    if server.kind == "ours" or server.kind.startswith("ours@"):
         report = httpx.get(f"http://127.0.0.1:{server.port}/v1/cache", timeout=10).json()
         server.cache_bytes_peak = max(server.cache_bytes_peak, report["bytes"])
 
@@ -435,8 +438,8 @@ def turn_hits(calls: list[Call]) -> float | None:
 def compare_outputs(servers: dict[str, Server]) -> dict[str, int]:
     ours = servers["ours"].calls
     out = {}
-    for kind in ("ours-nocache", "peer"):
-        if kind in servers:
+    for kind in servers:
+        if kind != "ours":
             other = servers[kind].calls
             out[kind] = sum(a.reply != b.reply for a, b in zip(ours, other, strict=True))
     return out
@@ -509,7 +512,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default=None, help="model folder (default: the embedded one)")
-    ap.add_argument("--servers", default="ours,ours-nocache,peer")
+    ap.add_argument(
+        "--servers",
+        default="ours,ours-nocache,peer",
+        help="any of ours, ours-nocache, peer, and ours@PATH (our server from that checkout)",
+    )
     ap.add_argument("--workloads", default=None, help="e.g. 1,2 (default: all five)")
     ap.add_argument("--report", type=Path, default=None,
                     help="summarize and plot a saved results JSON instead of running")  # fmt: skip

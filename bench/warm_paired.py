@@ -9,7 +9,10 @@ conversations are workload 1's and 4's: a long system prompt, several turns, the
 regenerated answer and an edited last question. Reported: the median of the per-pair
 TTFT ratios (ours / peer) over the warm turns, and whether greedy replies matched.
 
-    python bench/warm_paired.py [--conversations 5] [--turns 6]
+    python bench/warm_paired.py [--conversations 5] [--turns 6] [--against ours@PATH]
+
+With --against ours@PATH the other server is ours from that checkout (a previous
+commit, say) instead of mlx_lm.server: a change measured side by side.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from openai import AsyncOpenAI
 from app.models.default_model import default_model_dir
 
 
-async def paired(ours_port: int, peer_port: int, model: str, convs: int, turns: int) -> list:
+async def paired(ours_port: int, peer_port: int, peer_model: str, convs: int, turns: int) -> list:
     def client(port: int) -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
 
@@ -34,7 +37,7 @@ async def paired(ours_port: int, peer_port: int, model: str, convs: int, turns: 
 
     async def both(kind: str, conv: int, turn: int, messages: list[dict]) -> str:
         a, b = Call(kind, conv, turn, 0, messages), Call(kind, conv, turn, 0, messages)
-        order = [(ours, "bench", a), (peer, model, b)]
+        order = [(ours, "bench", a), (peer, peer_model, b)]
         for c, name, call in order if len(pairs) % 2 == 0 else order[::-1]:
             await send(c, name, call, 32)
         pairs.append(
@@ -69,16 +72,22 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=5)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--cache-max-bytes", type=int, default=256 * 2**20)
+    ap.add_argument("--against", default="peer", help="peer, or ours@PATH (another checkout)")
+    ap.add_argument("--out", default="warm_paired.json", help="file name in bench/results")
     args = ap.parse_args()
     model = str(default_model_dir())
+    peer_model = model if args.against == "peer" else "bench"
     with (
         running("ours", model, 32, args.cache_max_bytes) as ours,
-        running("peer", model, 32, args.cache_max_bytes) as peer,
+        running(args.against, model, 32, args.cache_max_bytes) as peer,
     ):
-        pairs = asyncio.run(paired(ours.port, peer.port, model, args.conversations, args.turns))
+        pairs = asyncio.run(
+            paired(ours.port, peer.port, peer_model, args.conversations, args.turns)
+        )
     warm = [p for p in pairs if p["turn"] > 0]
     ratios = [p["ours"] / p["peer"] for p in warm]
     report = {
+        "against": args.against,
         "warm_pairs": len(warm),
         "warm_ttft_ours_median_s": statistics.median(p["ours"] for p in warm),
         "warm_ttft_peer_median_s": statistics.median(p["peer"] for p in warm),
@@ -91,7 +100,7 @@ def main() -> None:
         "pairs": pairs,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "warm_paired.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / args.out).write_text(json.dumps(report, indent=2))
     for key, value in report.items():
         if key != "pairs":
             print(f"{key:>24}: {value}")
