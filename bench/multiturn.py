@@ -145,7 +145,7 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
     lib = find_openblas()
     if lib:
         env["LD_PRELOAD"] = lib  # both servers get the same BLAS
-    log = Path(tempfile.mkstemp(prefix=f"bench-{kind}-", suffix=".log")[1])
+    log = Path(tempfile.mkstemp(prefix=f"bench-{kind.replace('/', '_')}-", suffix=".log")[1])
     with log.open("wb") as err:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 300

@@ -1,8 +1,8 @@
 """Use Debian's OpenBLAS for MLX's CPU matmuls when it is installed.
 
-The `mlx[cpu]` wheel bundles the reference BLAS: float32 prefill of a 135M
-model runs at about 6-10 tokens/s with it and about 150 with OpenBLAS. The
-library has to be loaded before MLX is, so a process that lacks it re-executes
+The `mlx[cpu]` wheel bundles the reference BLAS, many times slower for float32
+prefill than OpenBLAS (bench/prefill_blas.py, bench/README.md). The library has
+to be loaded before MLX is, so a process that lacks it re-executes
 itself once with LD_PRELOAD set; the user never has to know.
 """
 

@@ -1,7 +1,7 @@
 """HTTP connections a hostile or broken client cannot use to hurt others.
 
 uvicorn's own protocols leave three holes: httptools accepts headers of any
-size (one connection sent 256 MiB), neither closes a connection that sends its
+size (a probe sent hundreds of MiB on one connection), neither closes a connection that sends its
 headers a byte at a time, and a client that never reads holds its response's
 writer forever. The server therefore always runs `GuardedH11` (h11, whose
 buffer limit bounds a request's headers, whatever else is installed) with a
