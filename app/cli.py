@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shutdown-grace", type=float, help="seconds running requests get to finish on SIGTERM"
     )
-    serve.add_argument("--max-connections", type=int, help="requests at once before a 503")
+    serve.add_argument("--max-connections", type=int, help="connections past it are closed")
     serve.add_argument(
         "--header-timeout", type=float, help="seconds a client has to send a request's headers"
     )

@@ -42,8 +42,9 @@ class Settings:
     max_queue: int = 256  # requests waiting beyond the decode batch; more get a 429
     request_timeout: float = 600.0
     shutdown_grace: float = 30.0
-    max_connections: int = 1024  # requests past it get a 503
+    max_connections: int = 1024  # connections past it are closed at once
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    body_timeout: float = 60.0  # seconds a client has to send a request's body
     write_timeout: float = 60.0  # seconds a response waits for a client that does not read
 
 

@@ -73,10 +73,12 @@ class Batch:
     def _admit(self, request: Request, alone: bool) -> None:
         try:
             self._start(request, alone)
-        except Exception:  # this request and those waiting on it fail; the batch runs on
+        except Exception:  # this request fails; the batch runs on
             log.exception("admitting a request failed")
+            followers, request.followers = request.followers, []
             self.engine.fail([request], "Generation failed on the server. Retry.")
-            request.followers = []
+            for follower in followers:  # other users' requests: they wait for a prefix only
+                self.engine.requeue(follower)
 
     def _start(self, request: Request, alone: bool) -> None:
         engine = self.engine

@@ -11,6 +11,7 @@ generated goes back into the cache for the next turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -28,6 +29,8 @@ from .events import EngineStats, Event, Failed, Finished, SamplingParams
 from .request import Request, with_followers
 
 log = logging.getLogger("mlx_cache_server.engine")
+
+SHUTTING_DOWN = "The server is shutting down; retry on another server or later."
 
 
 class Engine:
@@ -70,6 +73,8 @@ class Engine:
         self._stopping = threading.Event()
         self._release_asked = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closing = threading.Lock()  # orders a submit against the thread's last take
+        self._closed = False
         self.running = 0  # requests admitted and not finished (read by /health)
         self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)
         self.stats = EngineStats()
@@ -78,6 +83,7 @@ class Engine:
 
     def start(self) -> None:
         self._stopping.clear()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
         self._thread.start()
 
@@ -113,9 +119,11 @@ class Engine:
         namespace: str | None = None,
     ) -> Request:
         request = Request(list(tokens), params, emit, self.cache_key(namespace))
-        self._inbox.put(request)
-        if self._stopping.is_set() and not self.alive:  # no thread will take it any more
-            self.fail(self._take(block=False), "The server is shutting down.")
+        with self._closing:
+            if self._closed:  # the thread has taken its last request
+                self.fail([request], SHUTTING_DOWN, "shutdown")
+            else:
+                self._inbox.put(request)
         return request
 
     async def stream(
@@ -146,11 +154,11 @@ class Engine:
     def requeue(self, request: Request) -> None:
         self._inbox.put(request)
 
-    def fail(self, requests: list[Request], message: str) -> None:
+    def fail(self, requests: list[Request], message: str, reason: str = "error") -> None:
         """End these requests and those waiting on them with `message`, each once."""
         for request in dict.fromkeys(with_followers(requests)):
             if not request.ended:
-                request.end(Failed(message))
+                request.end(Failed(message, reason))
                 self.stats.failed += 1
 
     def _loop(self) -> None:
@@ -187,13 +195,16 @@ class Engine:
                 running = batch.everyone() if batch is not None else []
                 self.fail([*new, *running], "Generation failed on the server. Retry.")
                 if batch is not None:
-                    batch.close()
+                    with contextlib.suppress(Exception):  # what failed may fail again here
+                        batch.close()
                 batch = None
                 idle_since = self.clock()  # what the failed batch held can go back too
             finally:
                 self.running = len(batch.active) if batch is not None else 0
-        running = batch.everyone() if batch is not None else []
-        self.fail([*running, *self._take(block=False)], "The server is shutting down.")
+        with self._closing:
+            self._closed = True
+            running = batch.everyone() if batch is not None else []
+            self.fail([*running, *self._take(block=False)], SHUTTING_DOWN, "shutdown")
         if batch is not None:
             batch.close()
         mx.synchronize()  # finish the cache's asynchronous copies before the thread ends

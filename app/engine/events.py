@@ -58,8 +58,7 @@ class Finished:
 @dataclass
 class Failed:
     message: str  # for the client: says what it can act on, never internal detail
-    status: int = 500
-    type: str = "server_error"
+    reason: str = "error"  # "error", "shutdown" or "timeout"; each surface maps it to its status
 
 
 Event = Started | Delta | Finished | Failed

@@ -23,7 +23,7 @@ from ..serving.schemas import ErrorResponse
 from ..settings import Settings
 from . import errors
 from .auth import authorize
-from .connections import HeaderLimit, WriteTimeout
+from .connections import HeaderLimit
 from .middleware import BodyLimit, RequestCounter
 from .routes import cache, chat, completions, health, metrics, models
 from .state import ServerState
@@ -66,9 +66,8 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
             allow_methods=["*"],
             allow_headers=["*"],
         )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     app.add_middleware(HeaderLimit)
-    app.add_middleware(WriteTimeout, seconds=settings.write_timeout)
     app.add_middleware(RequestCounter, metrics=metrics_)
     return app
 

@@ -1,12 +1,13 @@
 """HTTP connections a hostile or broken client cannot use to hurt others.
 
-uvicorn's own protocols leave three holes: httptools accepts headers of any
-size (a probe sent hundreds of MiB on one connection), neither closes a connection that sends its
-headers a byte at a time, and a client that never reads holds its response's
-writer forever. The server therefore always runs `GuardedH11` (h11, whose
-buffer limit bounds a request's headers, whatever else is installed) with a
-deadline for each request's headers, `HeaderLimit` for their count and
-`WriteTimeout` for clients that stop reading.
+uvicorn's own protocols leave holes: httptools accepts headers of any size (a
+probe sent hundreds of MiB on one connection), neither closes a connection that
+sends its headers a byte at a time, and a response whose client never reads
+waits for it forever, holding its generation, its slot and its connection. The
+server therefore always runs `GuardedH11` (h11, whose buffer limit bounds a
+request's headers, whatever else is installed): a deadline for each request's
+headers, a deadline for a stalled write, and a cap on connections; and
+`HeaderLimit` for the headers' count.
 """
 
 from __future__ import annotations
@@ -31,20 +32,31 @@ END_MARGIN = 5.0  # seconds past the shutdown grace for failed streams to send t
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline and a size limit for each request's headers.
+    """uvicorn's h11 protocol with deadlines for headers and stalled writes, and a cap.
 
-    The deadline runs from the connection's start, or the previous response's
-    end, until the request's headers are complete; past it the connection is
-    closed (with a 408 if the client had begun a request).
+    - Headers: from the connection's start, or the previous response's end,
+      until a request's headers are complete; past it the connection is closed
+      (with a 408 if the client had begun a request). Over `max_header_bytes`: 431.
+    - Writes: once the client's buffers are full, it has `write_timeout` to read
+      some; then the connection is dropped (aborted: a close would wait for the
+      buffers to drain, which they never do), and the response's generation ends.
+    - Connections past `max_connections` are closed as soon as they are made.
     """
 
     header_timeout: float = 10.0
+    write_timeout: float = 60.0
     max_header_bytes: int = MAX_HEADER_BYTES
+    max_connections: int = 1024
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
+        self._write_stall: asyncio.TimerHandle | None = None
         self._refused = False
         super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            log.warning("over %d connections: closing a new one", self.max_connections)
+            transport.abort()
+            return
         self._await_headers()
 
     def data_received(self, data: bytes) -> None:
@@ -57,13 +69,37 @@ class GuardedH11(H11Protocol):
             self._stop_deadline()  # the headers are in: the request is the app's now
 
     def on_response_complete(self) -> None:
+        if self.transport.is_closing():
+            super().on_response_complete()
+            return
+        # Armed first: finishing a response can start a pipelined request at once.
+        self._await_headers()
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._await_headers()
+        if self.cycle is not self._cycle_before:
+            self._stop_deadline()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.write_timeout, self._not_reading)
+
+    def resume_writing(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+        super().resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_deadline()
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
         super().connection_lost(exc)
+
+    def _not_reading(self) -> None:
+        self._write_stall = None
+        log.warning("dropping a connection whose client read nothing for %gs", self.write_timeout)
+        self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         if self._deadline is not None and self._header_bytes > self.max_header_bytes:
@@ -142,46 +178,14 @@ class HeaderLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class WriteTimeout:
-    """Gives up on a response whose client has not read for `seconds`.
-
-    uvicorn stops writing when the client's buffers are full and waits for them
-    to drain; a client that never reads would keep its generation, its slot and
-    its connection forever. Past the timeout the app is left (its response and
-    generation end) and uvicorn closes the connection.
-    """
-
-    def __init__(self, app: Any, seconds: float) -> None:
-        self.app, self.seconds = app, seconds
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def timed_send(message: dict) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.seconds)
-            except asyncio.TimeoutError:
-                raise _ClientNotReading from None
-
-        try:
-            await self.app(scope, receive, timed_send)
-        except _ClientNotReading:
-            log.warning("closing a connection whose client read nothing for %gs", self.seconds)
-
-
-class _ClientNotReading(Exception):
-    pass
-
-
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """uvicorn's settings for serving `app`, with the guards above."""
-    protocol = type(
-        "GuardedH11",
-        (GuardedH11,),
-        {"header_timeout": settings.header_timeout, "max_header_bytes": MAX_HEADER_BYTES},
-    )
+    limits = {
+        "header_timeout": settings.header_timeout,
+        "write_timeout": settings.write_timeout,
+        "max_connections": settings.max_connections,
+    }
+    protocol = type("GuardedH11", (GuardedH11,), limits)
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
@@ -190,6 +194,5 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "http": protocol,
         # h11 refuses a request whose headers pass this many bytes; GuardedH11 answers 431.
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
-        "limit_concurrency": settings.max_connections,
     }
     return uvicorn.Config(app, **{**options, **overrides})

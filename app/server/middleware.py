@@ -6,6 +6,7 @@ disconnects pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -40,10 +41,11 @@ class RequestCounter:
 
 
 class BodyLimit:
-    """Refuses request bodies over `max_bytes` with a 413, before anything parses them."""
+    """Refuses request bodies over `max_bytes` (413) or slower than `timeout` seconds (408),
+    before anything parses them."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, timeout: float = 60.0) -> None:
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -51,42 +53,50 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, 413)
             return
-        received, too_large = 0, False
+        received, refused, body_done = 0, 0, False
+        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def counting_receive() -> dict:
-            nonlocal received, too_large
-            message = await receive()
+            nonlocal received, refused, body_done
+            if body_done:  # after the body only a disconnect comes: no deadline for it
+                return await receive()
+            try:
+                left = deadline - asyncio.get_running_loop().time()
+                message = await asyncio.wait_for(receive(), max(left, 0))
+            except asyncio.TimeoutError:
+                refused = 408  # a body sent a trickle at a time would hold the request forever
+                return {"type": "http.disconnect"}  # the app stops reading here
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_bytes:
-                    too_large = True
-                    return {"type": "http.disconnect"}  # the app stops reading here
+                    refused = 413
+                    return {"type": "http.disconnect"}
             return message
 
         async def guarded_send(message: dict) -> None:
-            if not too_large:
+            if not refused:
                 await send(message)
 
         await self.app(scope, counting_receive, guarded_send)
-        if too_large:
-            await self._refuse(send)
+        if refused:
+            await self._refuse(send, refused)
 
-    async def _refuse(self, send: Any) -> None:
-        body = json.dumps(
-            error_body(
+    async def _refuse(self, send: Any, status: int) -> None:
+        if status == 413:
+            message, code = (
                 f"The request body is larger than this server accepts ({self.max_bytes} bytes).",
-                "invalid_request_error",
-                code="request_too_large",
+                "request_too_large",
             )
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())],
-            }
-        )  # fmt: skip
+        else:
+            message, code = (
+                f"The request body did not arrive within {self.timeout:g}s.",
+                "request_timeout",
+            )
+        body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]  # fmt: skip
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

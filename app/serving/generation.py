@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -51,11 +52,14 @@ async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> 
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        gone = not task.done()
+        if gone:
             task.cancel()
-    if not task.cancelled():
-        return await task
-    raise APIError(499, "The client closed the connection.", code="client_closed")
+    if gone:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # its generation is cancelled on the way out
+        raise APIError(499, "The client closed the connection.", code="client_closed")
+    return task.result()
 
 
 async def _disconnect(request: Request) -> None:
@@ -111,9 +115,7 @@ async def tracked(
                 return
             except asyncio.TimeoutError:
                 finished = Failed(
-                    f"The request took longer than {timeout:g}s and was stopped.",
-                    status=408,
-                    type="timeout_error",
+                    f"The request took longer than {timeout:g}s and was stopped.", "timeout"
                 )
                 yield finished
                 return
@@ -121,7 +123,11 @@ async def tracked(
                 started = event
             elif isinstance(event, Delta) and first is None:
                 first = time.perf_counter()
-            elif isinstance(event, Finished | Failed):
+            elif isinstance(event, Failed):
+                # The id in the message is the one in the log's line for this request.
+                event = Failed(f"{event.message} (request id {ctx.id})", event.reason)
+                finished = event
+            elif isinstance(event, Finished):
                 finished = event
             yield event
     finally:
@@ -175,7 +181,8 @@ async def collect(events: AsyncIterator[Event]) -> Result:
             result.finish_reason = event.reason
             result.completion_tokens = event.completion_tokens
         elif isinstance(event, Failed):
-            raise APIError(event.status, event.message, type=event.type)
+            status, kind = failure_status(event)
+            raise APIError(status, event.message, type=kind)
     return result
 
 
@@ -185,3 +192,11 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def failure_status(event: Failed) -> tuple[int, str]:
+    """A failed generation's HTTP status and OpenAI error type."""
+    return {
+        "timeout": (408, "timeout_error"),
+        "shutdown": (503, "service_unavailable"),
+    }.get(event.reason, (500, "server_error"))

@@ -6,6 +6,7 @@ to fix its request; nothing here touches the engine's state except the slot.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 from ..engine import Engine, SamplingParams
@@ -26,12 +27,17 @@ class Slot:
     """
 
     def __init__(self, engine: Engine) -> None:
-        engine.in_flight += 1
+        with _COUNT:
+            engine.in_flight += 1
         self.release = weakref.finalize(self, _free_slot, engine)
 
 
+_COUNT = threading.Lock()  # a slot dropped unused is freed by the garbage collector, any thread
+
+
 def _free_slot(engine: Engine) -> None:
-    engine.in_flight -= 1
+    with _COUNT:
+        engine.in_flight -= 1
 
 
 def reserve_slot(engine: Engine, settings: Settings) -> Slot:
@@ -128,7 +134,7 @@ def sampling_params(
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
-        top_k=req.top_k,
+        top_k=0 if req.top_k == engine.vocab_size else req.top_k,  # all of it: no filter
         min_p=req.min_p,
         seed=req.seed,
         stop=stop,

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from ..engine import Delta, Event, Failed, Finished, Started
 from .errors import error_body
-from .generation import make_usage
+from .generation import failure_status, make_usage
 from .schemas import ErrorResponse, Usage
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -48,7 +48,8 @@ async def sse_stream(
                 yield sse(usage(make_usage(prompt, cached, event.completion_tokens)))
             yield SSE_DONE
         elif isinstance(event, Failed):
-            yield sse(ErrorResponse.model_validate(error_body(event.message, event.type)))
+            _, kind = failure_status(event)
+            yield sse(ErrorResponse.model_validate(error_body(event.message, kind)))
             yield SSE_DONE
 
 
@@ -56,7 +57,7 @@ class EventStream(StreamingResponse):
     """A streaming response that always closes its body, so the generation behind it ends.
 
     Starlette leaves the body iterator suspended when sending fails (a client
-    that stopped reading, see `server.connections.WriteTimeout`); until garbage
+    that stopped reading, see `server.connections.GuardedH11`); until garbage
     collection found it, its generation would run on.
     """
 

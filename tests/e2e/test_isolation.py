@@ -19,7 +19,8 @@ from app.settings import Settings
 from tests.helpers import ended, wait_until
 
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Say hello in French."]
-GREEDY = SamplingParams(max_tokens=24, temperature=0)
+# Long enough that the poisoned request comes and goes while these still run.
+GREEDY = SamplingParams(max_tokens=200, temperature=0, logit_bias={99: -100.0})  # 99: <|im_end|>
 POISON_TOP_P = 0.5  # marks the request whose sampler the fixture breaks
 POISON_PRESENCE = 0.5  # marks the request whose logits processor the fixture breaks
 
@@ -108,8 +109,10 @@ def test_a_poisoned_request_joining_running_streams_fails_alone(
         wait_until(lambda: all(len(tokens(s)) >= 3 for s in sinks))  # all streaming
         poisoned: list[Any] = []
         engine.submit(prompts[0], POISONS[poison], poisoned.append)
-        wait_until(lambda: all(ended(s) for s in [*sinks, poisoned]))
-        assert isinstance(poisoned[-1], Failed) and poisoned[-1].status == 500
+        wait_until(lambda: ended(poisoned))
+        assert not any(ended(s) for s in sinks)  # it failed while the others were streaming
+        wait_until(lambda: all(ended(s) for s in sinks))
+        assert isinstance(poisoned[-1], Failed) and poisoned[-1].reason == "error"
         assert "injected" not in poisoned[-1].message  # details go to the log, not the client
         for sink, expected in zip(sinks, solo, strict=True):
             assert isinstance(sink[-1], Finished), sink[-1]

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import wait_until
 from tests.live import free_port, serving
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -72,9 +73,7 @@ def test_metrics_count_requests_tokens_and_cache(server):
 def test_one_structured_log_line_per_request(server, caplog):
     with caplog.at_level(logging.INFO, logger="mlx_cache_server.requests"):
         r = post(server.url)
-        deadline = time.monotonic() + 5
-        while not caplog.records and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: caplog.records, seconds=5)
     lines = [json.loads(rec.getMessage()) for rec in caplog.records]
     (line,) = [x for x in lines if x["id"] == r.json()["id"]]
     assert line["model"] == "tiny" and line["route"] == "/v1/chat/completions"
@@ -142,16 +141,13 @@ def test_a_flush_gives_the_memory_back_at_once(tiny_model_dir):
     with serving(str(tiny_model_dir), served_model_name="tiny") as live:
         live.engine.release_after = 3600  # no idle release: only the flush can do it
         assert post(live.url, {**CHAT, "max_tokens": 16}).status_code == 200
-        deadline = time.monotonic() + 10
-        while live.engine.running and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: live.engine.running == 0, seconds=10)
         assert live.engine.cache.nbytes > 0
+        # The request's freed buffers are pooled; the flush frees the KV too, and only the
+        # release it asks for (the idle one is an hour away) empties the pool.
+        assert mx.get_cache_memory() > 0
         assert httpx.delete(live.url + "/v1/cache").json()["cleared"] == 1
-        assert mx.get_cache_memory() > 0  # the cache's KV, freed into MLX's pool
-        deadline = time.monotonic() + 5
-        while mx.get_cache_memory() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert mx.get_cache_memory() == 0
+        wait_until(lambda: mx.get_cache_memory() == 0, seconds=5)
 
 
 def test_tenants_never_share_cached_prompts(keyed):
@@ -229,9 +225,7 @@ def test_full_queue_gets_429_with_retry_after(limited):
     done.set()
     holder.join(60)
     assert error_of(r, 429)["code"] == "queue_full" and r.headers["retry-after"] == "1"
-    deadline = time.monotonic() + 30
-    while limited.engine.in_flight and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: limited.engine.in_flight == 0, seconds=30)
     assert post(limited.url).status_code == 200  # capacity is back
 
 

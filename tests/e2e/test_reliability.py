@@ -77,7 +77,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(sma
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_an_abandoned_request_stops_generating(tiny_model_dir, path):
+def test_an_abandoned_request_stops_generating(tiny_model_dir, path, caplog):
     with serving(str(tiny_model_dir), served_model_name="tiny") as live:
         body = {**NO_END, "model": "tiny", "max_tokens": 3000}
         body.update({"messages": CHAT["messages"]} if "chat" in path else {"prompt": "hello"})
@@ -86,6 +86,10 @@ def test_an_abandoned_request_stops_generating(tiny_model_dir, path):
         wait_until(lambda: live.engine.stats.cancelled == 1)
         wait_until(lambda: live.engine.running == 0 and live.engine.in_flight == 0)
         assert live.engine.stats.finished == 0  # it did not run on to its 3000 tokens
+        # Recorded as the client's going (499), not as a server error.
+        wait_until(lambda: 'status="499"' in live.app.state.server.metrics.render().decode())
+        assert 'status="500"' not in live.app.state.server.metrics.render().decode()
+        assert "Exception in ASGI application" not in caplog.text
 
 
 def test_flushes_during_inserts_leave_nothing_unreachable_and_outputs_unchanged(

@@ -53,6 +53,10 @@ def refused(fn, *args, **kwargs) -> APIError:
     return e.value
 
 
+def test_top_k_of_the_whole_vocabulary_filters_nothing():
+    assert params(chat(top_k=50)).top_k == 0
+
+
 def test_sampling_parameters_go_to_the_engine_as_given():
     p = params(chat(temperature=0.5, top_p=0.9, top_k=7, seed=3, stop="x", logit_bias={"4": 2}))
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (0.5, 0.9, 7, 3, ["x"])
