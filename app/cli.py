@@ -29,6 +29,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-max-bytes", help="cache byte budget, e.g. 2GiB")
     serve.add_argument("--no-cache", action="store_true", default=None, help="serve uncached")
     serve.add_argument("--context-length", type=int, help="override the model's context")
+    serve.add_argument(
+        "--temp", dest="temperature", type=float, help="temperature when a request sends none"
+    )
+    serve.add_argument("--top-p", type=float, help="top_p when a request sends none")
+    serve.add_argument("--top-k", type=int, help="top_k when a request sends none")
+    serve.add_argument("--min-p", type=float, help="min_p when a request sends none")
+    serve.add_argument(
+        "--max-tokens",
+        dest="default_max_tokens",
+        type=int,
+        help="max_tokens when a request sends none",
+    )
     serve.add_argument("--log-level", help="debug, info, warning or error")
     serve.add_argument(
         "--api-key",
@@ -145,6 +157,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     if mx.default_device() == mx.cpu:
         (log.info if fast else log.warning)("CPU matmuls use %s", blas)
+    app = create_app(engine, settings=settings)
+    log.info("sampling defaults: %s", app.state.server.defaults.describe())
     if engine.cache is None:
         log.info("prompt cache: off (--no-cache)")
     else:
@@ -157,7 +171,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
         # then cancels them (which cancels their generations); the engine stops after.
-        config = uvicorn_config(create_app(engine, settings=settings), settings)
+        config = uvicorn_config(app, settings)
         _graceful_server_class()(config, engine, settings.shutdown_grace).run()
     finally:
         engine.stop()

@@ -29,6 +29,12 @@ class Settings:
     context_length: int | None = None  # None: the model's own
     max_tokens_cap: int = 32768
     default_max_tokens: int = 2048
+    # Sampling for requests that leave these out; None: the model's generation_config.json,
+    # else OpenAI's neutral values (see app/serving/defaults.py).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
@@ -72,7 +78,7 @@ def _coerce(name: str, value: Any) -> Any:
     if kind.startswith("list"):
         items = value.split(",") if isinstance(value, str) else list(value)
         return [str(v).strip() for v in items if str(v).strip()]
-    if kind == "float":
+    if kind.startswith("float"):
         return float(value)
     if "int" in kind and "str" not in kind:
         return int(value)

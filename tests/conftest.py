@@ -24,6 +24,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat template that knows tools (hermes-style, as Qwen2.5's)."""
+    from tests.tiny_model import TOOLS_CHATML
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tools"), chat_template=TOOLS_CHATML)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
     from mlx_lm import load
 

@@ -28,6 +28,30 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Hermes-style tool calling, as Qwen2.5's template does it: tools listed in the system turn,
+# calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results as user turns. mlx-lm
+# infers its "json_tools" parser from the markers.
+TOOLS_CHATML = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call a function as <tool_call>{"name": ..., "arguments": ...}</tool_call>.'
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' }}{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for tool_call in message['tool_calls'] %}{% set tool_call = tool_call['function'] %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response>"
+    "<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 CONFIG = {
     "model_type": "llama",
     "hidden_size": 64,
@@ -61,7 +85,7 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
+def build_tiny_model(path: Path, seed: int = 0, chat_template: str = CHATML) -> Path:
     """Write the model folder to `path` (created) and return it."""
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
@@ -79,7 +103,7 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
                 "unk_token": UNK,
-                "chat_template": CHATML,
+                "chat_template": chat_template,
                 "model_max_length": CONFIG["max_position_embeddings"],
             }
         )

@@ -25,6 +25,7 @@ from prompt_cache import PromptCache
 
 from ..runtime import memory
 from .batch import Batch
+from .constraint import GrammarTokenizer
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
 from .request import Request, with_followers
 
@@ -48,6 +49,7 @@ class Engine:
         min_shared_prefix: int = 32,
         release_after: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        generation_config: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -58,11 +60,13 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.release_after = release_after  # idle seconds before pooled memory goes back
         self.clock = clock
+        self.generation_config = generation_config or {}  # the model's sampling values
         self.completion_batch_size = completion_batch_size
         args = getattr(model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
         # Most characters one token stands for: bounds a prompt's tokens from its length.
         self.max_token_chars: int = max(map(len, tokenizer.vocab), default=1)
+        self.grammars = GrammarTokenizer(tokenizer, self.vocab_size)  # built on first use
         self.batch_args = {
             "completion_batch_size": completion_batch_size,
             "prefill_batch_size": prefill_batch_size,

@@ -7,6 +7,7 @@ and exactly one of `Finished` or `Failed` to end it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: no logprobs; else how many alternatives per token
+    # A logits processor the output must follow (a `constraint.GrammarProcessor`), built for
+    # this request off the engine's thread: compiling a grammar can take long.
+    constraint: Any = None
 
 
 @dataclass

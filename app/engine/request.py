@@ -58,6 +58,9 @@ class Request:
         if sampler is not greedy_sampler:  # one shared argmax lets the batch sample in one call
             sampler = guarded(self, sampler, greedy_sampler)
         processors = make_processors(p.logit_bias, p.presence_penalty, p.frequency_penalty)
+        if p.constraint is not None:
+            # Last: penalties and biases first, then what the grammar forbids is -inf.
+            processors = [*processors, p.constraint]
         return sampler, [guarded(self, fn, _unchanged) for fn in processors]
 
     def state_key(self, tokens: list[int]) -> PackedTokens | list[int]:

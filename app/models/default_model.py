@@ -8,6 +8,7 @@ float32 on Linux (MLX's fast CPU path), float16 on macOS (Metal).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -48,6 +49,7 @@ def default_model_dir(progress: Callable[[str], None] = lambda _: None) -> Path:
     dtype = default_dtype()
     target = cache_root() / f"{NAME}-{dtype}"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        _write_generation_config(target)
         return target
     src = gguf_path()
     progress(f"importing the default model {NAME} ({dtype}) into {target}; once only")
@@ -56,6 +58,7 @@ def default_model_dir(progress: Callable[[str], None] = lambda _: None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
     try:
         import_gguf(src, tmp, dtype=dtype, progress=progress)
+        _write_generation_config(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -64,3 +67,19 @@ def default_model_dir(progress: Callable[[str], None] = lambda _: None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# At OpenAI's default temperature (1.0) this 135M model rambles ("Estcommunie au Coiffe
+# France..."); at 0.2 it still sometimes wanders; greedy, it answers. Requests that send
+# their own values still win.
+GENERATION_CONFIG = {"temperature": 0.0}
+
+
+def _write_generation_config(folder: Path) -> None:
+    path = folder / "generation_config.json"
+    text = json.dumps(GENERATION_CONFIG, indent=2) + "\n"
+    try:
+        if not path.exists() or path.read_text() != text:  # our own import folder: ours to keep
+            path.write_text(text)
+    except OSError:  # a read-only cache: serve with what is there
+        pass

@@ -18,6 +18,7 @@ from prompt_cache import PromptCache
 from ..engine import Engine
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
+from ..serving.defaults import generation_config, model_folder, sampling_defaults
 from ..serving.metrics import Metrics
 from ..serving.schemas import ErrorResponse
 from ..settings import Settings
@@ -43,14 +44,16 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     )
     aliases = model_aliases(engine.model_id)
     metrics_ = Metrics(engine)
+    defaults = sampling_defaults(settings, engine.generation_config)
     app.state.server = ServerState(
         engine=engine,
         settings=settings,
         metrics=metrics_,
         started=int(time.time()),
         model_aliases=aliases,
-        chat=ChatCompletionsServing(engine, settings, metrics_, aliases),
-        completions=CompletionsServing(engine, settings, metrics_, aliases),
+        defaults=defaults,
+        chat=ChatCompletionsServing(engine, settings, metrics_, aliases, defaults),
+        completions=CompletionsServing(engine, settings, metrics_, aliases, defaults),
     )
     errors.install(app)
     for module in (chat, completions, models, health, cache, metrics):
@@ -141,6 +144,8 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
     from mlx_lm import load
 
     model, tokenizer = load(model_path)
+    folder = model_folder(model_path)
+    model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or _context_length(model)
     cache = None
     if not settings.no_cache:
@@ -154,6 +159,7 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         completion_batch_size=settings.completion_batch_size,
         prefill_batch_size=settings.prefill_batch_size,
         prefill_step_size=settings.prefill_step_size,
+        generation_config=model_config,
     )
 
 

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from ..engine import Engine
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
+from ..serving.defaults import SamplingDefaults
 from ..serving.metrics import Metrics
 from ..settings import Settings
 
@@ -21,6 +22,7 @@ class ServerState:
     metrics: Metrics
     started: int  # when the server started, as models' `created`
     model_aliases: set[str]  # names a request may use for the served model
+    defaults: SamplingDefaults  # sampling for what a request leaves out
     chat: ChatCompletionsServing
     completions: CompletionsServing
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 
 from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
+from ..engine.constraint import GrammarProcessor, build_constraint
 from ..settings import Settings
+from .defaults import SamplingDefaults
 from .errors import APIError
 from .generation import (
     RequestContext,
@@ -30,21 +34,40 @@ from .schemas import (
     ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    FunctionCallDelta,
     ResponseMessage,
     TokenLogprobOut,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
 from .sse import EventStream, sse_stream
+from .structured import response_format_grammar
+from .tools import (
+    ToolCallText,
+    ToolPlan,
+    calls_as_text,
+    forced_call,
+    plan_tools,
+    template_tool_calls,
+    tool_call,
+)
 
 ROUTE = "/v1/chat/completions"
 
 
 class ChatCompletionsServing:
     def __init__(
-        self, engine: Engine, settings: Settings, metrics: Metrics, aliases: set[str]
+        self,
+        engine: Engine,
+        settings: Settings,
+        metrics: Metrics,
+        aliases: set[str],
+        defaults: SamplingDefaults,
     ) -> None:
         self.engine, self.settings, self.metrics, self.aliases = engine, settings, metrics, aliases
+        self.defaults = defaults
 
     async def create(
         self, req: ChatCompletionRequest, request: Request, tenant: str | None
@@ -64,7 +87,11 @@ class ChatCompletionsServing:
             raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
         slot = reserve_slot(engine, settings)
         try:
-            tokens = await off_loop(render, engine, req)
+            # Off the loop, within the request's slot: compiling a client's JSON schema
+            # into a grammar takes what it takes, and must hold up nobody else.
+            tools = await off_loop(plan_tools, req, engine)
+            grammar = tools.grammar or await off_loop(response_format_grammar, req.response_format)
+            tokens = await off_loop(render, engine, req, tools)
             params = sampling_params(
                 req,
                 prompt_tokens=len(tokens),
@@ -72,17 +99,23 @@ class ChatCompletionsServing:
                 logprobs=want_logprobs,
                 engine=engine,
                 settings=settings,
+                defaults=self.defaults,
                 prompt_param="messages",
             )
+            if grammar is not None:
+                params.constraint = await off_loop(_constraint, engine, grammar)
+                params.stop = []  # a stop string would cut what the grammar makes whole
         except BaseException:
             slot.release()
             raise
         cid, created = new_id("chatcmpl"), now()
         ctx = RequestContext(cid, ROUTE, req.model, tenant)
         events = tracked(engine, tokens, params, ctx, settings.request_timeout, self.metrics, slot)
+        reply = Reply(engine, req, tools)
         if req.stream:
-            return EventStream(_stream(events, cid, created, req, want_logprobs is not None))
+            return EventStream(_stream(events, cid, created, req, want_logprobs is not None, reply))
         result = await until_disconnected(request, collect(events))
+        content, calls = reply.whole(result.text)
         return ChatCompletion(
             id=cid,
             created=created,
@@ -90,16 +123,108 @@ class ChatCompletionsServing:
             choices=[
                 ChatChoice(
                     index=0,
-                    message=ResponseMessage(content=result.text),
+                    message=ResponseMessage(content=content, tool_calls=calls or None),
                     logprobs=_logprobs_out(result.logprobs) if want_logprobs is not None else None,
-                    finish_reason=result.finish_reason,
+                    finish_reason=_finish_reason(result.finish_reason, calls),
                 )
             ],
             usage=result.usage(),
         )
 
 
-def _message(m: ChatMessage, index: int) -> dict[str, Any]:
+def _constraint(engine: Engine, grammar: str) -> GrammarProcessor:
+    try:
+        return build_constraint(engine.grammars, grammar)
+    except ValueError as e:
+        raise APIError(400, f"Cannot constrain this model's output: {e}", code="constraint") from e
+
+
+class Reply:
+    """A reply's text split into content and tool calls, as the request's tools ask.
+
+    Streaming, a forced call goes out as OpenAI's deltas do: its id and name as
+    soon as the name is generated, then its arguments as they come.
+    """
+
+    def __init__(self, engine: Engine, req: ChatCompletionRequest, tools: ToolPlan) -> None:
+        self.mode = tools.mode
+        # Markup is cut out whenever the template was shown tools; with tool_choice "none"
+        # the calls it holds are dropped.
+        shown = tools.mode == "auto" or (tools.mode == "none" and bool(tools.tools))
+        self.text = ToolCallText(engine, req.tools or []) if shown else None
+        self.keep = tools.mode == "auto"
+        self.forced = ""  # a forced call's JSON so far: {"name":"...","arguments":{...}}
+        self.call: ToolCall | None = None  # the forced call, once its name is known
+        self.sent = 0  # how much of `forced` has gone out as argument fragments
+        self.calls = 0  # calls sent
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        if self.mode == "forced":
+            return "", self._forced(text)
+        if self.text is None:
+            return text, []
+        content, calls = self.text.feed(text)
+        return content, self._whole(calls if self.keep else [])
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self.mode == "forced":
+            if not forced_call(self.forced):  # cut off (max_tokens): what there is, as text
+                return ("" if self.call else self.forced), []
+            return "", self._forced("", end=True)
+        if self.text is None:
+            return "", []
+        content, calls = self.text.finish()
+        return content, self._whole(calls if self.keep else [])
+
+    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """Content and calls of a whole reply (not streamed)."""
+        if self.mode == "forced":
+            calls = forced_call(text)
+            return (None if calls else text), calls
+        if self.text is None:
+            return text, []
+        content, calls = self.text.feed(text)
+        rest, more = self.text.finish()
+        content, calls = content + rest, (calls + more if self.keep else [])
+        return (None if calls and not content.strip() else content), calls
+
+    def _forced(self, text: str, end: bool = False) -> list[ToolCallDelta]:
+        self.forced += text
+        out = []
+        if self.call is None:
+            head = _CALL_HEAD.match(self.forced)
+            if head is None:
+                return out
+            self.call, self.sent, self.calls = tool_call(json.loads(head[1]), ""), head.end(), 1
+            name = FunctionCallDelta(name=self.call.function.name, arguments="")
+            out.append(ToolCallDelta(index=0, id=self.call.id, type="function", function=name))
+        stop = len(self.forced) - 1  # the call's own closing brace is not its arguments'
+        if stop > self.sent:
+            fragment = FunctionCallDelta(arguments=self.forced[self.sent : stop])
+            out.append(ToolCallDelta(index=0, function=fragment))
+            self.sent = stop
+        return out
+
+    def _whole(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
+        out = []
+        for call in calls:
+            function = FunctionCallDelta(name=call.function.name, arguments=call.function.arguments)
+            out.append(
+                ToolCallDelta(index=self.calls, id=call.id, type="function", function=function)
+            )
+            self.calls += 1
+        return out
+
+
+# How a forced call begins: the grammar makes it compact JSON, name first.
+_CALL_HEAD = re.compile(r'\{"name": ?("(?:[^"\\]|\\.)*"), ?"arguments": ?')
+
+
+def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _message(m: ChatMessage, index: int, templated: bool = True) -> dict[str, Any]:
     if isinstance(m.content, list):
         texts = []
         for j, part in enumerate(m.content):
@@ -115,9 +240,14 @@ def _message(m: ChatMessage, index: int) -> dict[str, Any]:
         content = m.content or ""
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
     out["content"] = content
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
+    if m.tool_calls is not None:
+        if templated:
+            out["tool_calls"] = template_tool_calls(m.tool_calls)
+        else:
+            out["content"] = content + calls_as_text(m.tool_calls)
     return out
 
 
@@ -127,19 +257,20 @@ def _chars(m: ChatMessage) -> int:
     return len(m.content or "")
 
 
-def render(engine: Engine, req: ChatCompletionRequest) -> list[int]:
-    """The prompt's tokens: the messages through the model's chat template."""
-    messages = [_message(m, i) for i, m in enumerate(req.messages)]
+def render(engine: Engine, req: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+    """The prompt's tokens: the messages (and tools) through the model's chat template."""
+    messages = [_message(m, i, tools.templated) for i, m in enumerate(req.messages)]
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
-    if req.tools:
-        kwargs["tools"] = req.tools
+    if tools.tools:
+        kwargs["tools"] = tools.tools
     try:
         tokens = engine.tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as e:  # the model's own template refused these messages
         raise APIError(
             400, f"The chat template rejected the messages: {e}", param="messages"
         ) from e
-    return list(tokens)
+    # A forced call in the model's own markup: its opening marker is already written.
+    return list(tokens) + engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
 
 
 def _logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:
@@ -160,6 +291,7 @@ def _stream(
     created: int,
     req: ChatCompletionRequest,
     logprobs: bool,
+    reply: Reply,
 ) -> AsyncIterator[str]:
     usage_asked = req.include_usage
 
@@ -171,14 +303,30 @@ def _stream(
             out.usage = usage  # null on every chunk but the last
         return out
 
-    def delta(event: Delta) -> ChatCompletionChunk:
+    def parts(content: str, calls: list[ToolCallDelta], lp: Any = None) -> list:
+        out = []
+        if content or lp is not None:
+            out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(content=content), logprobs=lp)))
+        if calls:
+            out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(tool_calls=calls))))
+        return out
+
+    def delta(event: Delta) -> list[ChatCompletionChunk]:
+        content, calls = reply.feed(event.text)
         lp = _logprobs_out(event.logprobs) if logprobs else None
-        return chunk(ChunkChoice(index=0, delta=ChunkDelta(content=event.text), logprobs=lp))
+        return parts(content, calls, lp)
+
+    def finish(reason: str) -> list[ChatCompletionChunk]:
+        content, calls = reply.finish()
+        out = parts(content, calls)
+        reason = "tool_calls" if reply.calls and reason == "stop" else reason
+        out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=reason)))
+        return out
 
     return sse_stream(
         events,
-        start=lambda: chunk(ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))),
+        start=lambda: [chunk(ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content="")))],
         delta=delta,
-        finish=lambda reason: chunk(ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=reason)),
+        finish=finish,
         usage=(lambda usage: chunk(None, usage)) if usage_asked else None,
     )

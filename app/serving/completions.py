@@ -8,6 +8,7 @@ from fastapi import Request
 
 from ..engine import Delta, Engine, Event, TokenLogprob
 from ..settings import Settings
+from .defaults import SamplingDefaults
 from .errors import APIError
 from .generation import (
     RequestContext,
@@ -35,9 +36,15 @@ ROUTE = "/v1/completions"
 
 class CompletionsServing:
     def __init__(
-        self, engine: Engine, settings: Settings, metrics: Metrics, aliases: set[str]
+        self,
+        engine: Engine,
+        settings: Settings,
+        metrics: Metrics,
+        aliases: set[str],
+        defaults: SamplingDefaults,
     ) -> None:
         self.engine, self.settings, self.metrics, self.aliases = engine, settings, metrics, aliases
+        self.defaults = defaults
 
     async def create(
         self, req: CompletionRequest, request: Request, tenant: str | None
@@ -56,6 +63,7 @@ class CompletionsServing:
                 logprobs=req.logprobs,
                 engine=engine,
                 settings=settings,
+                defaults=self.defaults,
                 prompt_param="prompt",
             )
         except BaseException:
@@ -140,18 +148,18 @@ def _stream(
             out.usage = usage  # null on every chunk but the last
         return out
 
-    def delta(event: Delta) -> CompletionChunk:
+    def delta(event: Delta) -> list[CompletionChunk]:
         nonlocal offset
         lp = _logprobs(event.logprobs, offset) if logprobs else None
         offset += len(event.text)
-        return chunk(CompletionChoice(index=0, text=event.text, logprobs=lp, finish_reason=None))
+        return [chunk(CompletionChoice(index=0, text=event.text, logprobs=lp, finish_reason=None))]
 
     return sse_stream(
         events,
         start=lambda: (
-            chunk(CompletionChoice(index=0, text=echo, finish_reason=None)) if echo else None
+            [chunk(CompletionChoice(index=0, text=echo, finish_reason=None))] if echo else []
         ),
         delta=delta,
-        finish=lambda reason: chunk(CompletionChoice(index=0, text="", finish_reason=reason)),
+        finish=lambda reason: [chunk(CompletionChoice(index=0, text="", finish_reason=reason))],
         usage=(lambda usage: chunk(None, usage)) if usage_asked else None,
     )

@@ -11,6 +11,7 @@ import weakref
 
 from ..engine import Engine, SamplingParams
 from ..settings import Settings
+from .defaults import SamplingDefaults
 from .errors import APIError
 from .schemas import SamplingFields
 
@@ -89,6 +90,7 @@ def sampling_params(
     logprobs: int | None,
     engine: Engine,
     settings: Settings,
+    defaults: SamplingDefaults,
     prompt_param: str,
 ) -> SamplingParams:
     if req.n != 1:
@@ -119,10 +121,11 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    if req.top_k > engine.vocab_size:
+    top_k = defaults.top_k if req.top_k is None else req.top_k
+    if top_k > engine.vocab_size:
         raise APIError(
             400,
-            f"top_k must be at most the vocabulary size, {engine.vocab_size}; got {req.top_k}.",
+            f"top_k must be at most the vocabulary size, {engine.vocab_size}; got {top_k}.",
             param="top_k",
         )
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -132,10 +135,10 @@ def sampling_params(
         )
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=0 if req.top_k == engine.vocab_size else req.top_k,  # all of it: no filter
-        min_p=req.min_p,
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        top_k=0 if top_k == engine.vocab_size else top_k,  # all of it: no filter
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
         seed=req.seed,
         stop=stop,
         presence_penalty=req.presence_penalty,

@@ -16,6 +16,14 @@ class _Request(BaseModel):
     # Strict as OpenAI is: `max_tokens: true` or `stream: "yes"` is a 400, not a coercion.
     model_config = ConfigDict(extra="allow", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # OpenAI takes null for any optional field as "not given", and clients send it.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -64,10 +72,11 @@ class SamplingFields(_Request):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0, le=1)
+    # Left out (or null): the server's defaults (`SamplingDefaults`), not OpenAI's 1.0.
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -93,6 +102,9 @@ class ChatCompletionRequest(SamplingFields):
     # API keys, not by this hint.
     prompt_cache_key: str | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -127,9 +139,33 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprobOut] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
 
 
 class ChatChoice(BaseModel):
@@ -151,6 +187,7 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nulls(self, handler: Any) -> dict[str, Any]:

@@ -20,15 +20,18 @@ def sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
+Chunks = list[BaseModel]
+
+
 async def sse_stream(
     events: AsyncIterator[Event],
     *,
-    start: Callable[[], BaseModel | None],
-    delta: Callable[[Delta], BaseModel],
-    finish: Callable[[str], BaseModel],
+    start: Callable[[], Chunks],
+    delta: Callable[[Delta], Chunks],
+    finish: Callable[[str], Chunks],
     usage: Callable[[Usage], BaseModel] | None,
 ) -> AsyncIterator[str]:
-    """One stream's events as SSE; the callables build the surface's chunks.
+    """One stream's events as SSE; the callables build the surface's chunks (any number).
 
     `usage`, when the client asked for it, builds the last chunk; `data: [DONE]`
     ends the stream, errors included (an error event in OpenAI's error shape).
@@ -37,13 +40,14 @@ async def sse_stream(
     async for event in events:
         if isinstance(event, Started):
             prompt, cached = event.prompt_tokens, event.cached_tokens
-            first = start()
-            if first is not None:
-                yield sse(first)
+            for chunk in start():
+                yield sse(chunk)
         elif isinstance(event, Delta):
-            yield sse(delta(event))
+            for chunk in delta(event):
+                yield sse(chunk)
         elif isinstance(event, Finished):
-            yield sse(finish(event.reason))
+            for chunk in finish(event.reason):
+                yield sse(chunk)
             if usage is not None:
                 yield sse(usage(make_usage(prompt, cached, event.completion_tokens)))
             yield SSE_DONE

@@ -95,6 +95,10 @@ def test_server_without_model_flag_serves_the_default_model():
         )
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+        # As a chat UI asks: no temperature. The model's shipped defaults answer it.
+        for _ in range(2):
+            plain = client.chat.completions.create(model=NAME, messages=FRANCE, max_tokens=20)
+            assert plain.choices[0].message.content == reply
     finally:
         proc.terminate()
         try:
@@ -103,3 +107,4 @@ def test_server_without_model_flag_serves_the_default_model():
             proc.kill()
             out, _ = proc.communicate()
     assert "OpenBLAS" in out or sys.platform == "darwin" or "reference BLAS" in out
+    assert "sampling defaults: temperature 0" in out and "generation_config.json" in out

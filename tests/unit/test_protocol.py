@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from app.engine import SamplingParams
 from app.server.errors import _param
 from app.serving.chat import _message
+from app.serving.defaults import SamplingDefaults
 from app.serving.errors import APIError
 from app.serving.limits import check_prompt_chars, sampling_params
 from app.serving.schemas import (
@@ -43,6 +44,7 @@ def params(req, prompt_tokens=10, max_tokens=None) -> SamplingParams:
         logprobs=None,
         engine=ENGINE,
         settings=Settings(default_max_tokens=20, max_tokens_cap=60),
+        defaults=SamplingDefaults(temperature=0.7),
         prompt_param="messages",
     )
 
@@ -51,6 +53,11 @@ def refused(fn, *args, **kwargs) -> APIError:
     with pytest.raises(APIError) as e:
         fn(*args, **kwargs)
     return e.value
+
+
+def test_what_a_request_leaves_out_takes_the_servers_defaults():
+    p = params(chat(top_p=0.5))
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.7, 0.5, 0, 0.0)
 
 
 def test_top_k_of_the_whole_vocabulary_filters_nothing():

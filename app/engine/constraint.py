@@ -1,0 +1,90 @@
+"""Constrained decoding: a grammar (llguidance) as one request's logits processor.
+
+Each constrained request gets its own matcher, run as one of its logits
+processors inside the batch's step: the tokens the grammar does not allow next
+get -inf. Requests without a grammar pay nothing. Once the grammar is complete
+only an end token is allowed, so the request stops there.
+
+The token-level tokenizer llguidance needs costs about a second to build; it is
+built once per engine, on first use (`GrammarTokenizer`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+
+class GrammarTokenizer:
+    """The engine's tokenizer as llguidance sees it, built once, on first use, thread-safely."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._built: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> llguidance.LLTokenizer:
+        """The tokenizer; ValueError (every time) if llguidance cannot use this one."""
+        with self._lock:
+            if isinstance(self._built, ValueError):
+                raise self._built
+            if self._built is None:
+                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                try:
+                    self._built = llguidance.hf.from_tokenizer(
+                        hf,
+                        n_vocab=self._vocab_size,
+                        eos_token=sorted(self._tokenizer.eos_token_ids),
+                    )
+                except Exception as e:  # a slow (Python) tokenizer, say
+                    self._built = ValueError(f"this model's tokenizer cannot be constrained: {e}")
+                    raise self._built from e
+            return self._built
+
+
+class GrammarProcessor:
+    """One request's grammar as a logits processor: `(tokens so far, logits) -> logits`.
+
+    The first call sees the prompt; each later call sees one more token, the one
+    sampled last, which the matcher consumes before computing the next mask.
+    Reading that token back forces it to be computed before the step is built,
+    so while a constrained request runs the batch loses mlx-lm's overlap of one
+    step's sampling with the next step's graph (bench/structured.py measures the
+    cost alone; a busy batch pays more).
+    """
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if self.matcher.is_error():
+            raise ValueError(self.matcher.get_error())
+        self.bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
+        self.seen: int | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        n = tokens.shape[-1]
+        if self.seen is not None:
+            for token in tokens[self.seen : n].tolist():
+                if not self.matcher.consume_token(token):
+                    raise ValueError(
+                        f"the grammar refused token {token}: {self.matcher.get_error()}"
+                    )
+        self.seen = n
+        fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        if self.matcher.is_error():  # a limit hit, say: fail the request, never a silent EOS
+            raise ValueError(f"the grammar failed: {self.matcher.get_error()}")
+        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little").astype(np.bool_)
+        width = logits.shape[-1]
+        allowed = np.zeros(width, np.bool_)  # ids past the tokenizer's (padding) stay out
+        allowed[: min(width, bits.size)] = bits[:width]
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def build_constraint(grammars: GrammarTokenizer, grammar: str) -> GrammarProcessor:
+    """A request's processor for `grammar`; run it off the event loop and the engine thread."""
+    return GrammarProcessor(grammars.get(), grammar)

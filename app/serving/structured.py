@@ -1,0 +1,94 @@
+"""Structured output: OpenAI's `response_format` and forced tool calls as grammars.
+
+A grammar is llguidance's; the engine enforces it token by token (see
+`engine.constraint`). JSON is generated compact (no free whitespace), so a
+model cannot wander off into blank lines inside an object. Schema features the
+engine cannot enforce are a 400 naming them, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import llguidance
+
+from .errors import APIError
+
+COMPACT = {"whitespace_flexible": False}
+# What chat templates' `tojson` writes (Python's json.dumps): a space after , and :.
+TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_grammar(schema: dict[str, Any], param: str, options: dict = COMPACT) -> str:
+    """A grammar for JSON that validates against `schema`, or a 400 naming what is wrong."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"Invalid JSON schema in '{param}': {e}", param=param) from e
+    return checked(grammar, param)
+
+
+def checked(grammar: str, param: str) -> str:
+    error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if error or messages:
+        raise APIError(
+            400,
+            f"'{param}' uses what this server cannot enforce: {'; '.join(messages)}.",
+            param=param,
+            code="unsupported_schema",
+        )
+    return grammar
+
+
+def response_format_grammar(response_format: dict[str, Any] | None) -> str | None:
+    """The grammar `response_format` asks for (None for text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar({"type": "object"}, "response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                400,
+                "response_format of type json_schema needs json_schema.schema, a JSON schema.",
+                param="response_format.json_schema.schema",
+            )
+        return json_grammar(schema, "response_format.json_schema.schema")
+    raise APIError(
+        400,
+        f"Unknown response_format type {kind!r}: use text, json_object or json_schema.",
+        param="response_format.type",
+    )
+
+
+def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """JSON for one call of one of `tools`: {"name": ..., "arguments": {...}}."""
+    calls = []
+    for tool in tools:
+        function = tool["function"]
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], options: dict = COMPACT) -> str:
+    """A grammar for one call of one of `tools`, as JSON {"name", "arguments"}.
+
+    Compact, it holds for any model, also one whose template knows no tools; for
+    a template whose calls are this JSON between markers (hermes-style), the
+    server writes the opening marker into the prompt and `options` follow the
+    template's own JSON, so the call re-renders as the tokens generated.
+    """
+    return json_grammar(tool_call_schema(tools), "tools", options)

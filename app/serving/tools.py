@@ -1,0 +1,205 @@
+"""Tool calls: OpenAI's `tools` and `tool_choice` in, `tool_calls` out.
+
+With `tool_choice` "auto" the model decides, in its own tool-call markup (the
+markers and parser mlx-lm infers from its chat template); the markup is cut out
+of the text, never sent as content. With "required" or a named function the
+call is forced by a grammar (`structured.forced_call_grammar`) and is the whole
+reply. With "none" no call is made or read.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import Engine
+from .errors import APIError
+from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
+from .structured import TEMPLATE_JSON, forced_call_grammar
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "none", "auto" or "forced"
+    tools: list[dict[str, Any]]  # what the template is shown
+    grammar: str | None = None  # forced: the call's grammar
+    templated: bool = True  # the chat template renders tools and tool calls itself
+    prefix: str = ""  # forced: text the reply starts with, written into the prompt
+
+
+def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
+    """What the request's tools ask of this model, or a 400 saying why it cannot be done."""
+    extra = req.model_extra or {}
+    for legacy in ("functions", "function_call"):
+        if legacy in extra:
+            raise APIError(
+                400,
+                f"'{legacy}' is deprecated and not supported: send 'tools' and 'tool_choice'.",
+                param=legacy,
+            )
+    tools = req.tools or []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(
+                400,
+                'Each tool must be {"type": "function", "function": {"name": ...}}.',
+                param=f"tools[{i}]",
+            )
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    templated = bool(getattr(engine.tokenizer, "has_tool_calling", False))
+    shown = tools if templated else []
+    if choice == "none" or not tools:
+        if choice not in ("none", "auto"):
+            raise APIError(400, "tool_choice needs tools.", param="tool_choice")
+        return ToolPlan("none", shown if tools else [], templated=templated)
+    if choice == "auto":
+        if not templated:
+            raise APIError(
+                400,
+                "This model's chat template has no tool calling, so it cannot choose to call "
+                'a tool. Force a call with tool_choice "required" or a named function.',
+                param="tools",
+                code="tools_not_supported",
+            )
+        return ToolPlan("auto", shown, templated=templated)
+    if choice == "required":
+        chosen = tools
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        if not chosen:
+            raise APIError(400, f"tool_choice names no tool given: {name!r}.", param="tool_choice")
+    else:
+        raise APIError(
+            400,
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}.',
+            param="tool_choice",
+        )
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise APIError(
+            400, "A forced tool call and response_format cannot be combined.", param="tool_choice"
+        )
+    if templated and _json_between_markers(engine.tokenizer):
+        start = engine.tokenizer.tool_call_start + "\n"
+        grammar = forced_call_grammar(chosen, TEMPLATE_JSON)
+        return ToolPlan("forced", shown, grammar, templated=True, prefix=start)
+    return ToolPlan("forced", shown, forced_call_grammar(chosen), templated=templated)
+
+
+def _json_between_markers(tokenizer: Any) -> bool:
+    """Whether the model's calls are {"name", "arguments"} JSON between its markers."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    return getattr(parser, "__module__", "").endswith("tool_parsers.json_tools")
+
+
+def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as chat templates expect them: arguments as objects."""
+    out = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except ValueError:
+                pass  # not JSON: the template gets the string as it was sent
+        out.append({**call, "function": function})
+    return out
+
+
+def calls_as_text(calls: list[dict[str, Any]]) -> str:
+    """Tool calls for a template that knows none: as the forced call's own JSON.
+
+    That is the text the model generated for them (compact, keys in order), so
+    the next turn's prompt begins with the tokens already cached.
+    """
+    out = []
+    for call in template_tool_calls(calls):
+        function = call.get("function") or {}
+        body = {"name": function.get("name"), "arguments": function.get("arguments")}
+        out.append(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+    return "".join(out)
+
+
+def tool_call(name: str, arguments: Any) -> ToolCall:
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments)
+    )
+
+
+def forced_call(text: str) -> list[ToolCall]:
+    """The call a forced reply is (the grammar made it valid JSON; a cut-off one is text)."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return []
+    return [tool_call(call["name"], call["arguments"])]
+
+
+class ToolCallText:
+    """Separates a streamed reply into content and tool calls in the model's own markup.
+
+    Text that may be the start of a call marker is held back until ruled out, so
+    no markup reaches the content.
+    """
+
+    def __init__(self, engine: Engine, tools: list[dict[str, Any]]) -> None:
+        tokenizer = engine.tokenizer
+        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        self.parser, self.tools = tokenizer.tool_parser, tools
+        self.pending, self.inside = "", False
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Content safe to send, and the calls completed, after `text` more of the reply."""
+        self.pending += text
+        content, calls = "", []
+        while True:
+            if not self.inside:
+                at = self.pending.find(self.start)
+                if at < 0:
+                    keep = _partial(self.pending, self.start)
+                    cut = len(self.pending) - keep
+                    content += self.pending[:cut]
+                    self.pending = self.pending[cut:]
+                    return content, calls
+                content += self.pending[:at]
+                self.pending, self.inside = self.pending[at + len(self.start) :], True
+            at = self.pending.find(self.end) if self.end else -1
+            if at < 0:
+                return content, calls
+            calls += self._parse(self.pending[:at])
+            self.pending, self.inside = self.pending[at + len(self.end) :], False
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the reply: an unclosed call is parsed if it can be (some
+        templates end a call at the end token), else dropped."""
+        rest, self.pending = self.pending, ""
+        if self.inside:  # cut off by max_tokens or a stop string: never markup as content
+            return "", self._parse(rest)
+        return rest, []
+
+    def _parse(self, text: str) -> list[ToolCall]:
+        try:
+            parsed = self.parser(text, self.tools)
+        except Exception:  # the model's markup did not parse: no call
+            return []
+        items = parsed if isinstance(parsed, list) else [parsed]
+        return [
+            tool_call(item["name"], item.get("arguments", {}))
+            for item in items
+            if isinstance(item, dict) and "name" in item
+        ]
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that could begin `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
