@@ -199,7 +199,7 @@ class Batch:
         kv = state()
         if delta.text or delta.logprobs:
             request.emit(delta)
-        request.end(Finished(reason, request.generated))
+        request.end(Finished(reason, request.generated, request.stops.matched))
         self.active.pop(request.uid, None)
         self.engine.stats.finished += 1
         self._store(request, kv)

@@ -57,6 +57,7 @@ class Delta:
 class Finished:
     reason: str  # "stop", "length" or "cancelled"
     completion_tokens: int
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass

@@ -19,15 +19,17 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Text safe to emit after `text` was generated; sets `stopped` on a match."""
         if not self.stops:
             return text
         self._pending += text
-        hits = [i for i in (self._pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self._pending.find(s)) >= 0]
         if hits:
-            out, self._pending, self.stopped = self._pending[: min(hits)], "", True
+            at, self.matched = min(hits)
+            out, self._pending, self.stopped = self._pending[:at], "", True
             return out
         hold = max((_overlap(self._pending, s) for s in self.stops), default=0)
         cut = len(self._pending) - hold

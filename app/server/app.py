@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from prompt_cache import PromptCache
 
 from ..engine import Engine
+from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
 from ..serving.defaults import generation_config, model_folder, sampling_defaults
@@ -26,7 +27,7 @@ from . import errors
 from .auth import authorize
 from .connections import HeaderLimit
 from .middleware import BodyLimit, RequestCounter
-from .routes import cache, chat, completions, health, metrics, models
+from .routes import cache, chat, completions, health, messages, metrics, models
 from .state import ServerState
 
 log = logging.getLogger("mlx_cache_server")
@@ -45,6 +46,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     aliases = model_aliases(engine.model_id)
     metrics_ = Metrics(engine)
     defaults = sampling_defaults(settings, engine.generation_config)
+    chat_serving = ChatCompletionsServing(engine, settings, metrics_, aliases, defaults)
     app.state.server = ServerState(
         engine=engine,
         settings=settings,
@@ -52,11 +54,12 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         started=int(time.time()),
         model_aliases=aliases,
         defaults=defaults,
-        chat=ChatCompletionsServing(engine, settings, metrics_, aliases, defaults),
+        chat=chat_serving,
         completions=CompletionsServing(engine, settings, metrics_, aliases, defaults),
+        messages=MessagesServing(chat_serving),
     )
     errors.install(app)
-    for module in (chat, completions, models, health, cache, metrics):
+    for module in (chat, completions, messages, models, health, cache, metrics):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)
     _serve_docs(app)
@@ -85,7 +88,7 @@ _ERROR_CODES = {
     "403": "Admin routes are off: the server has API keys and no admin key",
     "431": "Request headers too large, or too many",
 }
-_GENERATION = ("/v1/chat/completions", "/v1/completions")
+_GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -21,9 +21,12 @@ def tenant_of(key: str) -> str:
 
 
 def _bearer(request: Request) -> str | None:
+    """The key a client sent: `Authorization: Bearer` (OpenAI) or `x-api-key` (Anthropic)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 def _matches(token: str | None, keys: list[str]) -> bool:

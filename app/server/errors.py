@@ -32,34 +32,33 @@ def _param(loc: tuple) -> str | None:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(
-            error_body(e.message, e.type, e.param, e.code), e.status, headers=e.headers
-        )
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        body = error_body(e.message, e.type, e.param, e.code)
+        return _response(request, e.status, body, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":
             msg = "We could not parse the JSON body of your request. Send valid JSON."
-            return JSONResponse(error_body(msg, "invalid_request_error"), 400)
+            return _response(request, 400, error_body(msg, "invalid_request_error"))
         param = _param(tuple(first.get("loc", ())))
         if first.get("type") == "missing":
             msg = f"Missing required parameter: '{param}'." if param else "Missing request body."
         else:
             msg = f"Invalid value for '{param}': {first.get('msg')}." if param else first["msg"]
-        return JSONResponse(error_body(msg, "invalid_request_error", param, first.get("type")), 400)
+        body = error_body(msg, "invalid_request_error", param, first.get("type"))
+        return _response(request, 400, body)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(str(e.detail), kind), e.status_code, headers=getattr(e, "headers", None)
-        )
+        body = error_body(str(e.detail), kind)
+        return _response(request, e.status_code, body, getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
         # The detail is for the operator; the client gets what it can act on.
         request_id = f"req-{uuid.uuid4().hex[:16]}"
         log.exception("unhandled error (request id %s)", request_id)
@@ -67,6 +66,28 @@ def install(app: FastAPI) -> None:
             f"The server had an error while processing your request (request id {request_id}). "
             "Retry; if it persists, report the request id."
         )
-        return JSONResponse(
-            error_body(message, "server_error"), 500, headers={"x-request-id": request_id}
-        )
+        body = error_body(message, "server_error")
+        return _response(request, 500, body, {"x-request-id": request_id})
+
+
+# Anthropic's error types by status, for its Messages API's routes.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def _response(
+    request: Request, status: int, body: dict, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The error in the shape of the API the route belongs to: OpenAI's, or Anthropic's."""
+    if request.url.path.startswith("/v1/messages"):
+        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
+    return JSONResponse(body, status, headers=headers)

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from ..engine import Engine
+from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
 from ..serving.defaults import SamplingDefaults
@@ -25,6 +26,7 @@ class ServerState:
     defaults: SamplingDefaults  # sampling for what a request leaves out
     chat: ChatCompletionsServing
     completions: CompletionsServing
+    messages: MessagesServing
 
 
 def server_state(request: Request) -> ServerState:

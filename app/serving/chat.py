@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -72,6 +73,35 @@ class ChatCompletionsServing:
     async def create(
         self, req: ChatCompletionRequest, request: Request, tenant: str | None
     ) -> ChatCompletion | EventStream:
+        run = await self.start(req, tenant)
+        if req.stream:
+            logprobs = run.logprobs is not None
+            return EventStream(_stream(run.events, run.id, run.created, req, logprobs, run.reply))
+        result = await until_disconnected(request, collect(run.events))
+        content, calls = run.reply.whole(result.text)
+        return ChatCompletion(
+            id=run.id,
+            created=run.created,
+            model=req.model,
+            choices=[
+                ChatChoice(
+                    index=0,
+                    message=ResponseMessage(content=content, tool_calls=calls or None),
+                    logprobs=_logprobs_out(result.logprobs) if run.logprobs is not None else None,
+                    finish_reason=_finish_reason(result.finish_reason, calls),
+                )
+            ],
+            usage=result.usage(),
+        )
+
+    async def start(
+        self, req: ChatCompletionRequest, tenant: str | None, route: str = ROUTE
+    ) -> Run:
+        """Check a chat request, render it, and start its generation.
+
+        What the chat surfaces share: Anthropic's Messages API translates its
+        request into a chat request and starts it here.
+        """
         engine, settings = self.engine, self.settings
         check_model(req.model, engine, self.aliases)
         if len(req.messages) > settings.max_messages:
@@ -108,28 +138,22 @@ class ChatCompletionsServing:
         except BaseException:
             slot.release()
             raise
-        cid, created = new_id("chatcmpl"), now()
-        ctx = RequestContext(cid, ROUTE, req.model, tenant)
+        cid = new_id("chatcmpl")
+        ctx = RequestContext(cid, route, req.model, tenant)
         events = tracked(engine, tokens, params, ctx, settings.request_timeout, self.metrics, slot)
-        reply = Reply(engine, req, tools)
-        if req.stream:
-            return EventStream(_stream(events, cid, created, req, want_logprobs is not None, reply))
-        result = await until_disconnected(request, collect(events))
-        content, calls = reply.whole(result.text)
-        return ChatCompletion(
-            id=cid,
-            created=created,
-            model=req.model,
-            choices=[
-                ChatChoice(
-                    index=0,
-                    message=ResponseMessage(content=content, tool_calls=calls or None),
-                    logprobs=_logprobs_out(result.logprobs) if want_logprobs is not None else None,
-                    finish_reason=_finish_reason(result.finish_reason, calls),
-                )
-            ],
-            usage=result.usage(),
-        )
+        return Run(cid, now(), events, Reply(engine, req, tools), want_logprobs, len(tokens))
+
+
+@dataclass
+class Run:
+    """A chat request's generation, started: what a surface needs to answer it."""
+
+    id: str
+    created: int
+    events: AsyncIterator[Event]
+    reply: Reply
+    logprobs: int | None
+    prompt_tokens: int
 
 
 def _constraint(engine: Engine, grammar: str) -> GrammarProcessor:
@@ -217,7 +241,7 @@ class Reply:
 
 
 # How a forced call begins: the grammar makes it compact JSON, name first.
-_CALL_HEAD = re.compile(r'\{"name": ?("(?:[^"\\]|\\.)*"), ?"arguments": ?')
+_CALL_HEAD = re.compile(r'\{"name": ?("(?:[^"\\]|\\.)*"), ?"arguments": ?(?=[^ ])')
 
 
 def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:

@@ -75,6 +75,7 @@ class Result:
     cached_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_sequence: str | None = None
 
     def usage(self) -> Usage:
         return make_usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
@@ -180,6 +181,7 @@ async def collect(events: AsyncIterator[Event]) -> Result:
         elif isinstance(event, Finished):
             result.finish_reason = event.reason
             result.completion_tokens = event.completion_tokens
+            result.stop_sequence = event.stop_sequence
         elif isinstance(event, Failed):
             status, kind = failure_status(event)
             raise APIError(status, event.message, type=kind)

@@ -1,0 +1,306 @@
+"""Anthropic's Messages API (`POST /v1/messages`), as Claude Code speaks it.
+
+A thin translator: the request becomes a chat request, which runs through the
+chat surface's own start (checks, template, tools, constraints, the engine and
+the cache); the reply comes back as Anthropic's content blocks, stop reasons,
+usage and stream events. `input_tokens` counts the uncached part of the prompt
+only, `cache_read_input_tokens` what the cache served, as Anthropic reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import Request
+from pydantic import Field, model_validator
+
+from ..engine import Delta, Event, Failed, Finished, Started
+from .chat import ChatCompletionsServing, render
+from .errors import APIError
+from .generation import collect, failure_status, off_loop, until_disconnected
+from .schemas import ChatCompletionRequest, ToolCallDelta, _has_surrogate, _Request
+from .sse import EventStream
+from .tools import plan_tools
+
+ROUTE = "/v1/messages"
+PING_EVERY = 5.0  # seconds without an event before a ping: agents warn of stalls after ~20
+
+
+class AnthropicMessage(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Request):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if _has_surrogate(data):
+            raise ValueError("the request contains a lone UTF-16 surrogate escape; send valid text")
+        return data
+
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int = Field(default=1, ge=1)
+
+
+def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
+    """The same request in chat completions' terms, or a 400 naming what cannot be."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        texts, calls = [], []
+        for j, block in enumerate(blocks):
+            kind, where = block.get("type"), f"messages[{i}].content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_result" and m.role == "user":
+                content = block.get("content", "")
+                text = content if isinstance(content, str) else _text(content, where)
+                messages.append(
+                    {"role": "tool", "tool_call_id": str(block.get("tool_use_id")), "content": text}
+                )
+            elif kind == "tool_use" and m.role == "assistant":
+                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+                function = {"name": str(block.get("name")), "arguments": arguments}
+                calls.append({"id": str(block.get("id")), "type": "function", "function": function})
+            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # passed back by the client; not part of what the template renders
+            else:
+                raise APIError(400, f"Unsupported content block {kind!r} here.", param=where)
+        if m.role == "assistant":
+            out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if calls:
+                out["tool_calls"] = calls
+            messages.append(out)
+        elif texts:
+            messages.append({"role": "user", "content": "".join(texts)})
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.get("name"),
+                "description": t.get("description", ""),
+                "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+            },
+        }
+        for t in req.tools or []
+    ]
+    chat = {
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "stop": req.stop_sequences,
+        "tools": tools or None,
+        "tool_choice": _tool_choice(req.tool_choice) if tools else None,
+    }
+    return ChatCompletionRequest.model_validate(chat)
+
+
+def _text(blocks: str | list[dict[str, Any]], param: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    texts = []
+    for j, block in enumerate(blocks):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise APIError(400, "Only text blocks are supported here.", param=f"{param}[{j}]")
+        texts.append(block["text"])
+    return "\n\n".join(texts)
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> Any:
+    kind = (choice or {"type": "auto"}).get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise APIError(400, f"Unknown tool_choice type {kind!r}.", param="tool_choice")
+
+
+class MessagesServing:
+    def __init__(self, chat: ChatCompletionsServing) -> None:
+        self.chat = chat
+
+    def served_as(self, name: str) -> str:
+        """Claude model names mean the served model: agents send theirs."""
+        return self.chat.engine.model_id if name.startswith("claude") else name
+
+    async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:
+        chat = await off_loop(to_chat, req)
+        chat.model = self.served_as(req.model)
+        run = await self.chat.start(chat, tenant, route=ROUTE)
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+        if req.stream:
+            return EventStream(_stream(run, mid, req.model))
+        result = await until_disconnected(request, collect(run.events))
+        text, calls = run.reply.whole(result.text)
+        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        for call in calls:
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": _tool_use_id(call.id),
+                    "name": call.function.name,
+                    "input": json.loads(call.function.arguments or "{}"),
+                }
+            )
+        return {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": req.model,
+            "content": content,
+            "stop_reason": _stop_reason(result.finish_reason, result.stop_sequence, bool(calls)),
+            "stop_sequence": result.stop_sequence,
+            "usage": _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens),
+        }
+
+    async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
+        chat = await off_loop(to_chat, req)
+        chat.model = self.served_as(req.model)
+        engine = self.chat.engine
+        tools = await off_loop(plan_tools, chat, engine)
+        return {"input_tokens": len(await off_loop(render, engine, chat, tools))}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _stop_reason(finish: str | None, stop_sequence: str | None, called: bool) -> str:
+    if called:
+        return "tool_use"
+    if finish == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_sequence else "end_turn"
+
+
+def _usage(prompt: int, cached: int, completion: int) -> dict[str, int]:
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": completion,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _sse(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+async def _with_pings(events: AsyncIterator[Event]) -> AsyncIterator[Event | None]:
+    """The events, and None whenever PING_EVERY seconds pass without one."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=PING_EVERY)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending  # the generator must be idle before it can be closed
+        await events.aclose()
+
+
+async def _stream(run: Any, mid: str, model: str) -> AsyncIterator[str]:
+    """Anthropic's stream: message_start, content blocks, message_delta, message_stop."""
+    blocks = _Blocks()
+    yield _sse("ping", {})
+    async for event in _with_pings(run.events):
+        if event is None:
+            yield _sse("ping", {})
+        elif isinstance(event, Started):
+            message = {
+                "id": mid, "type": "message", "role": "assistant", "model": model,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": _usage(event.prompt_tokens, event.cached_tokens, 0),
+            }  # fmt: skip
+            yield _sse("message_start", {"message": message})
+        elif isinstance(event, Delta):
+            for out in blocks.add(*run.reply.feed(event.text)):
+                yield out
+        elif isinstance(event, Finished):
+            for out in [*blocks.add(*run.reply.finish()), *blocks.close()]:
+                yield out
+            reason = _stop_reason(event.reason, event.stop_sequence, run.reply.calls > 0)
+            delta = {"stop_reason": reason, "stop_sequence": event.stop_sequence}
+            yield _sse(
+                "message_delta",
+                {"delta": delta, "usage": {"output_tokens": event.completion_tokens}},
+            )
+            yield _sse("message_stop", {})
+        elif isinstance(event, Failed):
+            status, _ = failure_status(event)
+            kind = "overloaded_error" if status == 503 else "api_error"
+            yield _sse("error", {"error": {"type": kind, "message": event.message}})
+
+
+class _Blocks:
+    """Opens and closes content blocks as text and tool-call deltas arrive."""
+
+    def __init__(self) -> None:
+        self.index, self.open = -1, None  # the open block's kind: "text", "tool_use" or None
+
+    def add(self, text: str, calls: list[ToolCallDelta]) -> list[str]:
+        out = []
+        if text:
+            if self.open != "text":
+                out += self.close()
+                out += self._start({"type": "text", "text": ""}, "text")
+            delta = {"type": "text_delta", "text": text}
+            out.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
+        for call in calls:
+            if call.id is not None:  # a new call
+                out += self.close()
+                name = call.function.name if call.function else ""
+                block = {"type": "tool_use", "id": _tool_use_id(call.id), "name": name, "input": {}}
+                out += self._start(block, "tool_use")
+            arguments = call.function.arguments if call.function else None
+            if arguments:
+                delta = {"type": "input_json_delta", "partial_json": arguments}
+                out.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_sse("content_block_stop", {"index": self.index})]
+
+    def _start(self, block: dict[str, Any], kind: str) -> list[str]:
+        self.index, self.open = self.index + 1, kind
+        return [_sse("content_block_start", {"index": self.index, "content_block": block})]

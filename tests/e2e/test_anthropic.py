@@ -1,0 +1,169 @@
+"""Anthropic's Messages API through the official `anthropic` SDK against live servers."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+
+from tests.live import serving
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+HELLO = [{"role": "user", "content": "Say hello."}]
+SYSTEM = "You are a terse assistant. " * 4
+
+
+def client_of(live, api_key: str = "unused") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=live.url, api_key=api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tools_live(tiny_tools_model_dir):
+    with serving(str(tiny_tools_model_dir), served_model_name="tiny") as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def tools_uncached(tiny_tools_model_dir):
+    with serving(str(tiny_tools_model_dir), served_model_name="tiny", no_cache=True) as live:
+        yield live
+
+
+def test_a_message_and_its_usage_in_anthropics_terms(tools_live):
+    client = client_of(tools_live)
+    first = client.messages.create(
+        model="tiny", system=SYSTEM, messages=HELLO, max_tokens=12, extra_body={"temperature": 0}
+    )
+    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
+    assert first.content[0].type == "text" and first.stop_reason in ("end_turn", "max_tokens")
+    again = client.messages.create(
+        model="tiny", system=SYSTEM, messages=HELLO, max_tokens=12, extra_body={"temperature": 0}
+    )
+    assert again.content[0].text == first.content[0].text
+    total = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+    # The second time the prompt is served from the cache: input_tokens is what was not.
+    assert again.usage.cache_read_input_tokens == total - 1 and again.usage.input_tokens == 1
+    counted = client.messages.count_tokens(model="tiny", system=SYSTEM, messages=HELLO)
+    assert counted.input_tokens == total
+
+
+def test_a_stream_comes_in_anthropics_event_order(tools_live):
+    client = client_of(tools_live)
+    kinds, text = [], ""
+    with client.messages.stream(
+        model="tiny", system=SYSTEM, messages=HELLO, max_tokens=12, extra_body={"temperature": 0}
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "content_block_delta":
+                text += event.delta.text
+        final = stream.get_final_message()
+    core = [k for k in kinds if k not in ("ping", "text")]
+    assert core[0] == "message_start" and core[-2:] == ["message_delta", "message_stop"]
+    assert core[1] == "content_block_start" and core[-3] == "content_block_stop"
+    plain = client.messages.create(
+        model="tiny", system=SYSTEM, messages=HELLO, max_tokens=12, extra_body={"temperature": 0}
+    )
+    assert text == final.content[0].text == plain.content[0].text
+    assert final.usage.output_tokens == plain.usage.output_tokens
+
+
+def test_a_tool_use_round_trip_reuses_the_cache(tools_live, tools_uncached):
+    def loop(live):
+        client = client_of(live)
+        messages: list = [{"role": "user", "content": "Weather in Paris this week?"}]
+        replies = []
+        for turn in range(3):
+            r = client.messages.create(
+                model="tiny", system=SYSTEM, messages=messages, tools=[WEATHER],
+                tool_choice={"type": "any"}, max_tokens=100, extra_body={"temperature": 0},
+            )  # fmt: skip
+            (use,) = [b for b in r.content if b.type == "tool_use"]
+            assert r.stop_reason == "tool_use" and use.name == "get_weather"
+            assert use.input["city"] in ("Paris", "Lyon", "Nice") and 1 <= use.input["days"] <= 7
+            replies.append(r)
+            messages += [
+                {"role": "assistant", "content": r.content},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny."},
+                        {"type": "text", "text": f"And on day {turn + 2}?"},
+                    ],
+                },
+            ]
+        return replies
+
+    cached_replies, plain_replies = loop(tools_live), loop(tools_uncached)
+    assert [r.content[0].input for r in cached_replies] == [
+        r.content[0].input for r in plain_replies
+    ]
+    for earlier, later in zip(cached_replies, cached_replies[1:], strict=False):
+        seen = earlier.usage.input_tokens + earlier.usage.cache_read_input_tokens
+        # The previous request's prompt and its call are reused (the end token aside).
+        assert later.usage.cache_read_input_tokens >= seen + earlier.usage.output_tokens - 1
+
+
+def test_a_tool_use_streams_as_input_json_deltas(tools_live):
+    with client_of(tools_live).messages.stream(
+        model="tiny",
+        messages=HELLO,
+        tools=[WEATHER],
+        max_tokens=100,
+        extra_body={"temperature": 0},
+        tool_choice={"type": "tool", "name": "get_weather"},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds
+    (use,) = final.content
+    assert (
+        use.type == "tool_use"
+        and use.id.startswith("toolu_")
+        and set(use.input)
+        == {
+            "city",
+            "days",
+        }
+    )
+    assert final.stop_reason == "tool_use"
+
+
+def test_claude_names_keys_and_errors_as_agents_send_them(tiny_model_dir):
+    with serving(str(tiny_model_dir), served_model_name="tiny", api_keys=["k"]) as live:
+        r = client_of(live, api_key="k").messages.create(  # sent as x-api-key
+            model="claude-opus-4-7", messages=HELLO, max_tokens=4
+        )
+        assert r.model == "claude-opus-4-7" and r.content
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            client_of(live, api_key="wrong").messages.create(
+                model="tiny", messages=HELLO, max_tokens=4
+            )
+        assert e.value.body["type"] == "error"
+        assert e.value.body["error"]["type"] == "authentication_error"
+        bad = httpx.post(
+            live.url + "/v1/messages",
+            json={"model": "tiny", "messages": HELLO},  # no max_tokens: required here
+            headers={"x-api-key": "k"},
+        )
+        assert bad.status_code == 400
+        assert bad.json() == {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": bad.json()["error"]["message"]},
+        }
+        with pytest.raises(anthropic.NotFoundError):
+            client_of(live, api_key="k").messages.create(
+                model="gpt-9", messages=HELLO, max_tokens=4
+            )
