@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import Request
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from ..engine import Delta, Event, Failed, Finished, Started
 from .chat import ChatCompletionsServing, render
@@ -117,7 +117,14 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         "tools": tools or None,
         "tool_choice": _tool_choice(req.tool_choice) if tools else None,
     }
-    return ChatCompletionRequest.model_validate(chat)
+    if not messages:
+        raise APIError(400, "The messages have no content.", param="messages")
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:  # what this API let through and chat's rules do not
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
 
 
 def _text(blocks: str | list[dict[str, Any]], param: str) -> str:

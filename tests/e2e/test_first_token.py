@@ -131,7 +131,7 @@ def test_a_stop_string_in_the_first_token(tiny_model_dir):
     engine = build_engine(Settings(no_cache=True), str(tiny_model_dir))
     params = SamplingParams(max_tokens=8, temperature=0, stop=[first])
     (stopped,) = collect(engine, [p], params, together=False)
-    assert finished(stopped) == Finished("stop", 1) and text(stopped) == ""
+    assert finished(stopped) == Finished("stop", 1, stop_sequence=first) and text(stopped) == ""
 
 
 def test_a_failed_prefill_fails_that_request_only(tiny_model_dir, caplog):
