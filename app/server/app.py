@@ -112,7 +112,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             if path in _GENERATION:
                 codes += ["404", "408", "429"]
                 responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
-            elif "{" in path or path == "/v1/cache":
+            elif "{" in path or path in ("/v1/cache", "/v1/messages/count_tokens"):
                 codes.append("404")
             for code in codes:
                 responses[code] = {"description": _ERROR_CODES[code], "content": error}

@@ -23,6 +23,7 @@ from ..engine import Delta, Event, Failed, Finished, Started
 from .chat import ChatCompletionsServing, render
 from .errors import APIError
 from .generation import collect, failure_status, off_loop, until_disconnected
+from .limits import check_model, check_prompt_chars
 from .schemas import ChatCompletionRequest, ToolCallDelta, _has_surrogate, _Request
 from .sse import EventStream
 from .tools import plan_tools
@@ -75,8 +76,9 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "tool_result" and m.role == "user":
-                content = block.get("content", "")
-                text = content if isinstance(content, str) else _text(content, where)
+                text = _text(block.get("content"), f"{where}.content")
+                if block.get("is_error"):
+                    text = f"Error: {text}"
                 messages.append(
                     {"role": "tool", "tool_call_id": str(block.get("tool_use_id")), "content": text}
                 )
@@ -94,7 +96,11 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
                 out["tool_calls"] = calls
             messages.append(out)
         elif texts:
-            messages.append({"role": "user", "content": "".join(texts)})
+            text = "\n\n".join(texts)
+            if messages and messages[-1]["role"] == "user":  # Anthropic merges such turns
+                messages[-1]["content"] += "\n\n" + text
+            else:
+                messages.append({"role": "user", "content": text})
     tools = [
         {
             "type": "function",
@@ -127,12 +133,17 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
 
 
-def _text(blocks: str | list[dict[str, Any]], param: str) -> str:
+def _text(blocks: Any, param: str) -> str:
+    if blocks is None:
+        return ""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise APIError(400, "Expected a string or a list of text blocks.", param=param)
     texts = []
     for j, block in enumerate(blocks):
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+        ok = isinstance(block, dict) and block.get("type") == "text"
+        if not ok or not isinstance(block.get("text"), str):
             raise APIError(400, "Only text blocks are supported here.", param=f"{param}[{j}]")
         texts.append(block["text"])
     return "\n\n".join(texts)
@@ -160,12 +171,13 @@ class MessagesServing:
     async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:
         chat = await off_loop(to_chat, req)
         chat.model = self.served_as(req.model)
-        run = await self.chat.start(chat, tenant, route=ROUTE)
+        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return EventStream(_stream(run, mid, req.model))
         result = await until_disconnected(request, collect(run.events))
         text, calls = run.reply.whole(result.text)
+        reason = _stop_reason(result.finish_reason, result.stop_sequence, bool(calls))
         content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
         for call in calls:
             content.append(
@@ -173,7 +185,7 @@ class MessagesServing:
                     "type": "tool_use",
                     "id": _tool_use_id(call.id),
                     "name": call.function.name,
-                    "input": json.loads(call.function.arguments or "{}"),
+                    "input": _input(call.function.arguments),
                 }
             )
         return {
@@ -182,8 +194,8 @@ class MessagesServing:
             "role": "assistant",
             "model": req.model,
             "content": content,
-            "stop_reason": _stop_reason(result.finish_reason, result.stop_sequence, bool(calls)),
-            "stop_sequence": result.stop_sequence,
+            "stop_reason": reason,
+            "stop_sequence": result.stop_sequence if reason == "stop_sequence" else None,
             "usage": _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens),
         }
 
@@ -191,8 +203,18 @@ class MessagesServing:
         chat = await off_loop(to_chat, req)
         chat.model = self.served_as(req.model)
         engine = self.chat.engine
+        check_model(chat.model, engine, self.chat.aliases)
+        check_prompt_chars(sum(len(m.content or "") for m in chat.messages), engine, "messages")
         tools = await off_loop(plan_tools, chat, engine)
         return {"input_tokens": len(await off_loop(render, engine, chat, tools))}
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _tool_use_id(call_id: str) -> str:
@@ -200,10 +222,10 @@ def _tool_use_id(call_id: str) -> str:
 
 
 def _stop_reason(finish: str | None, stop_sequence: str | None, called: bool) -> str:
+    if finish == "length":  # first: a call cut off here is not one to run
+        return "max_tokens"
     if called:
         return "tool_use"
-    if finish == "length":
-        return "max_tokens"
     return "stop_sequence" if stop_sequence else "end_turn"
 
 
@@ -238,42 +260,54 @@ async def _with_pings(events: AsyncIterator[Event]) -> AsyncIterator[Event | Non
     finally:
         if not pending.done():
             pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            try:
                 await pending  # the generator must be idle before it can be closed
+            except (asyncio.CancelledError, StopAsyncIteration):
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    await events.aclose()
+                    raise  # our own cancellation, not only the pending read's
         await events.aclose()
 
 
 async def _stream(run: Any, mid: str, model: str) -> AsyncIterator[str]:
     """Anthropic's stream: message_start, content blocks, message_delta, message_stop."""
     blocks = _Blocks()
-    yield _sse("ping", {})
-    async for event in _with_pings(run.events):
-        if event is None:
-            yield _sse("ping", {})
-        elif isinstance(event, Started):
-            message = {
-                "id": mid, "type": "message", "role": "assistant", "model": model,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": _usage(event.prompt_tokens, event.cached_tokens, 0),
-            }  # fmt: skip
-            yield _sse("message_start", {"message": message})
-        elif isinstance(event, Delta):
-            for out in blocks.add(*run.reply.feed(event.text)):
+    yield _sse("ping", {})  # bytes at once: the prompt may take long to prefill
+    async with contextlib.aclosing(_with_pings(run.events)) as events:
+        async for event in events:
+            for out in _on(event, run, blocks, mid, model):
                 yield out
-        elif isinstance(event, Finished):
-            for out in [*blocks.add(*run.reply.finish()), *blocks.close()]:
-                yield out
-            reason = _stop_reason(event.reason, event.stop_sequence, run.reply.calls > 0)
-            delta = {"stop_reason": reason, "stop_sequence": event.stop_sequence}
-            yield _sse(
-                "message_delta",
-                {"delta": delta, "usage": {"output_tokens": event.completion_tokens}},
-            )
-            yield _sse("message_stop", {})
-        elif isinstance(event, Failed):
-            status, _ = failure_status(event)
-            kind = "overloaded_error" if status == 503 else "api_error"
-            yield _sse("error", {"error": {"type": kind, "message": event.message}})
+            if isinstance(event, Finished | Failed):
+                return  # nothing, not even a ping, after the end
+
+
+def _on(event: Event | None, run: Any, blocks: _Blocks, mid: str, model: str) -> list[str]:
+    """The stream's events for one engine event (None: nothing for a while)."""
+    if event is None:
+        return [_sse("ping", {})]
+    if isinstance(event, Started):
+        message = {
+            "id": mid, "type": "message", "role": "assistant", "model": model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(event.prompt_tokens, event.cached_tokens, 0),
+        }  # fmt: skip
+        return [_sse("message_start", {"message": message})]
+    if isinstance(event, Delta):
+        return blocks.add(*run.reply.feed(event.text))
+    if isinstance(event, Finished):
+        out = [*blocks.add(*run.reply.finish()), *blocks.close()]
+        reason = _stop_reason(event.reason, event.stop_sequence, run.reply.calls > 0)
+        stop = event.stop_sequence if reason == "stop_sequence" else None
+        usage = {"output_tokens": event.completion_tokens}
+        out.append(_sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
+                                          "usage": usage}))  # fmt: skip
+        return [*out, _sse("message_stop", {})]
+    if isinstance(event, Failed):
+        status, _ = failure_status(event)
+        kind = {503: "overloaded_error", 408: "timeout_error"}.get(status, "api_error")
+        return [_sse("error", {"error": {"type": kind, "message": event.message}})]
+    return []
 
 
 class _Blocks:

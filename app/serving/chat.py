@@ -95,7 +95,11 @@ class ChatCompletionsServing:
         )
 
     async def start(
-        self, req: ChatCompletionRequest, tenant: str | None, route: str = ROUTE
+        self,
+        req: ChatCompletionRequest,
+        tenant: str | None,
+        route: str = ROUTE,
+        cap_max_tokens: bool = False,
     ) -> Run:
         """Check a chat request, render it, and start its generation.
 
@@ -131,6 +135,7 @@ class ChatCompletionsServing:
                 settings=settings,
                 defaults=self.defaults,
                 prompt_param="messages",
+                cap_max_tokens=cap_max_tokens,
             )
             if grammar is not None:
                 params.constraint = await off_loop(_constraint, engine, grammar)

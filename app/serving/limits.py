@@ -92,7 +92,14 @@ def sampling_params(
     settings: Settings,
     defaults: SamplingDefaults,
     prompt_param: str,
+    cap_max_tokens: bool = False,
 ) -> SamplingParams:
+    """The engine's parameters for a request, or a 400 naming what is out of bounds.
+
+    With `cap_max_tokens`, a max_tokens past the server's cap or the context's
+    room is lowered to fit instead (Anthropic clients ask for far more than a
+    small model's context holds, and expect to be stopped with max_tokens).
+    """
     if req.n != 1:
         raise APIError(400, "Only n=1 is supported; send several requests instead.", param="n")
     room = engine.context_length - prompt_tokens
@@ -106,6 +113,8 @@ def sampling_params(
         )
     if max_tokens is None:
         max_tokens = min(room, settings.default_max_tokens)
+    elif cap_max_tokens:
+        max_tokens = min(max_tokens, room, settings.max_tokens_cap)
     elif max_tokens > settings.max_tokens_cap:
         raise APIError(
             400,

@@ -190,11 +190,19 @@ class ToolCallText:
         except Exception:  # the model's markup did not parse: no call
             return []
         items = parsed if isinstance(parsed, list) else [parsed]
-        return [
-            tool_call(item["name"], item.get("arguments", {}))
-            for item in items
-            if isinstance(item, dict) and "name" in item
-        ]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                continue
+            arguments = item.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    continue
+            if isinstance(arguments, dict):  # a call whose arguments are no object is none
+                calls.append(tool_call(item["name"], arguments))
+        return calls
 
 
 def _partial(text: str, marker: str) -> int:

@@ -167,3 +167,60 @@ def test_claude_names_keys_and_errors_as_agents_send_them(tiny_model_dir):
             client_of(live, api_key="k").messages.create(
                 model="gpt-9", messages=HELLO, max_tokens=4
             )
+
+
+def test_a_forced_call_cut_off_by_max_tokens_is_not_a_tool_use(tools_live):
+    client = client_of(tools_live)
+    kwargs = dict(
+        model="tiny", messages=HELLO, tools=[WEATHER], tool_choice={"type": "any"},
+        max_tokens=5, extra_body={"temperature": 0},
+    )  # fmt: skip
+    r = client.messages.create(**kwargs)
+    assert r.stop_reason == "max_tokens" and not [b for b in r.content if b.type == "tool_use"]
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    "content", [None, ["not a block"], {"type": "text", "text": "x"}, [{"type": "image"}]]
+)
+def test_malformed_tool_results_are_400s_in_anthropics_shape(tools_live, content):
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}]},
+    ]  # fmt: skip
+    r = httpx.post(
+        tools_live.url + "/v1/messages",
+        json={"model": "tiny", "max_tokens": 4, "messages": messages},
+        timeout=60,
+    )
+    if content is None:  # null means not given: an empty result
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_past_what_fits_is_lowered_not_refused(tiny_model_dir):
+    with serving(str(tiny_model_dir), served_model_name="tiny", max_tokens_cap=6) as live:
+        body = {"model": "tiny", "messages": HELLO, "max_tokens": 64000}  # as Claude Code asks
+        r = httpx.post(live.url + "/v1/messages", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert reply["usage"]["output_tokens"] <= 6
+        assert reply["stop_reason"] in ("max_tokens", "end_turn")
+
+
+def test_pings_keep_a_slow_stream_alive(tools_live, monkeypatch):
+    import app.serving.anthropic as messages_api
+
+    monkeypatch.setattr(messages_api, "PING_EVERY", 0.0005)
+    body = {"model": "tiny", "max_tokens": 40, "messages": HELLO, "stream": True}
+    with httpx.stream("POST", tools_live.url + "/v1/messages", json=body, timeout=60) as r:
+        kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds.count("ping") > 1 and kinds[-1] == "message_stop"
+    assert kinds.index("message_start") < kinds.index("content_block_start")
