@@ -66,3 +66,20 @@ def uncached_client(uncached_server):
     from openai import OpenAI
 
     return OpenAI(base_url=uncached_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def tools_live(tiny_tools_model_dir: Path):
+    """A server on the tiny model whose template knows tools."""
+    from tests.live import serving
+
+    with serving(str(tiny_tools_model_dir), served_model_name="tiny") as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
+def tools_uncached(tiny_tools_model_dir: Path):
+    from tests.live import serving
+
+    with serving(str(tiny_tools_model_dir), served_model_name="tiny", no_cache=True) as live:
+        yield live

@@ -31,7 +31,7 @@ class StopMatcher:
             at, self.matched = min(hits)
             out, self._pending, self.stopped = self._pending[:at], "", True
             return out
-        hold = max((_overlap(self._pending, s) for s in self.stops), default=0)
+        hold = max((overlap(self._pending, s) for s in self.stops), default=0)
         cut = len(self._pending) - hold
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
@@ -42,7 +42,7 @@ class StopMatcher:
         return out
 
 
-def _overlap(text: str, stop: str) -> int:
+def overlap(text: str, stop: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
     for n in range(min(len(text), len(stop) - 1), 0, -1):
         if text.endswith(stop[:n]):

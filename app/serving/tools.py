@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine import Engine
+from ..engine.text import overlap
 from .errors import APIError
 from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
 from .structured import TEMPLATE_JSON, forced_call_grammar
@@ -163,7 +164,7 @@ class ToolCallText:
             if not self.inside:
                 at = self.pending.find(self.start)
                 if at < 0:
-                    keep = _partial(self.pending, self.start)
+                    keep = overlap(self.pending, self.start)
                     cut = len(self.pending) - keep
                     content += self.pending[:cut]
                     self.pending = self.pending[cut:]
@@ -203,11 +204,3 @@ class ToolCallText:
             if isinstance(arguments, dict):  # a call whose arguments are no object is none
                 calls.append(tool_call(item["name"], arguments))
         return calls
-
-
-def _partial(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that could begin `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

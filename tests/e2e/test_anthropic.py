@@ -29,18 +29,6 @@ def client_of(live, api_key: str = "unused") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=live.url, api_key=api_key, max_retries=0)
 
 
-@pytest.fixture(scope="module")
-def tools_live(tiny_tools_model_dir):
-    with serving(str(tiny_tools_model_dir), served_model_name="tiny") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def tools_uncached(tiny_tools_model_dir):
-    with serving(str(tiny_tools_model_dir), served_model_name="tiny", no_cache=True) as live:
-        yield live
-
-
 def test_a_message_and_its_usage_in_anthropics_terms(tools_live):
     client = client_of(tools_live)
     first = client.messages.create(

@@ -9,8 +9,6 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.live import serving
-
 WEATHER = {
     "type": "function",
     "function": {
@@ -44,18 +42,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris this week?"}]
 
 def client_of(live) -> OpenAI:
     return OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tools_live(tiny_tools_model_dir):
-    with serving(str(tiny_tools_model_dir), served_model_name="tiny") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def tools_uncached(tiny_tools_model_dir):
-    with serving(str(tiny_tools_model_dir), served_model_name="tiny", no_cache=True) as live:
-        yield live
 
 
 def valid_weather(arguments: str) -> dict:
