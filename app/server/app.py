@@ -21,13 +21,14 @@ from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
 from ..serving.defaults import generation_config, model_folder, sampling_defaults
 from ..serving.metrics import Metrics
+from ..serving.responses import ResponsesServing
 from ..serving.schemas import ErrorResponse
 from ..settings import Settings
 from . import errors
 from .auth import authorize
 from .connections import HeaderLimit
 from .middleware import BodyLimit, RequestCounter
-from .routes import cache, chat, completions, health, messages, metrics, models
+from .routes import cache, chat, completions, health, messages, metrics, models, responses
 from .state import ServerState
 
 log = logging.getLogger("mlx_cache_server")
@@ -57,9 +58,10 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         chat=chat_serving,
         completions=CompletionsServing(engine, settings, metrics_, aliases, defaults),
         messages=MessagesServing(chat_serving),
+        responses=ResponsesServing(chat_serving),
     )
     errors.install(app)
-    for module in (chat, completions, messages, models, health, cache, metrics):
+    for module in (chat, completions, messages, responses, models, health, cache, metrics):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)
     _serve_docs(app)
@@ -88,7 +90,7 @@ _ERROR_CODES = {
     "403": "Admin routes are off: the server has API keys and no admin key",
     "431": "Request headers too large, or too many",
 }
-_GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+_GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
 from ..serving.defaults import SamplingDefaults
 from ..serving.metrics import Metrics
+from ..serving.responses import ResponsesServing
 from ..settings import Settings
 
 
@@ -27,6 +28,7 @@ class ServerState:
     chat: ChatCompletionsServing
     completions: CompletionsServing
     messages: MessagesServing
+    responses: ResponsesServing
 
 
 def server_state(request: Request) -> ServerState:

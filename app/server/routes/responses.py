@@ -1,0 +1,16 @@
+"""POST /v1/responses (OpenAI's Responses API)"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from ...serving.responses import ResponsesRequest
+from ..auth import Tenant
+from ..state import State
+
+router = APIRouter(tags=["responses"])
+
+
+@router.post("/v1/responses", summary="Create a response (OpenAI's Responses API)")
+async def create_response(req: ResponsesRequest, request: Request, state: State, tenant: Tenant):
+    return await state.responses.create(req, request, tenant)

@@ -1,0 +1,350 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as Codex CLI speaks it.
+
+A thin translator, as `anthropic` is: input items become a chat request, run
+through the chat surface's start (template, tools, constraints, engine, cache);
+the reply comes back as output items (`message`, `function_call`) with usage
+whose `input_tokens_details.cached_tokens` is what the cache served, or as the
+Responses stream events, each with its `sequence_number`. Nothing is stored:
+`previous_response_id` is a 400 asking for the whole input, which the cache
+makes nearly free to resend.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from pydantic import Field, ValidationError, model_validator
+
+from ..engine import Delta, Failed, Finished, Started
+from .chat import ChatCompletionsServing, Run
+from .errors import APIError
+from .generation import collect, failure_status, off_loop, until_disconnected
+from .schemas import ChatCompletionRequest, ToolCall, ToolCallDelta, _has_surrogate, _Request
+from .sse import EventStream
+
+ROUTE = "/v1/responses"
+
+
+class ResponsesRequest(_Request):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if _has_surrogate(data):
+            raise ValueError("the request contains a lone UTF-16 surrogate escape; send valid text")
+        return data
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None  # accepted and ignored, as in chat completions
+    parallel_tool_calls: bool | None = None
+
+
+def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The same request in chat completions' terms, or a 400 naming what cannot be."""
+    if req.previous_response_id is not None:
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this server stores no responses. Send the "
+            "whole conversation as input; its cache makes that nearly free.",
+            param="previous_response_id",
+        )
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"Unknown role {role!r}.", param=f"{where}.role")
+            messages.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {
+                "id": str(item.get("call_id")),
+                "type": "function",
+                "function": {"name": str(item.get("name")), "arguments": item.get("arguments", "")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            content = output if isinstance(output, str) else _text(output, f"{where}.output")
+            messages.append(
+                {"role": "tool", "tool_call_id": str(item.get("call_id")), "content": content}
+            )
+        elif kind == "reasoning":
+            continue  # passed back by the client; not part of what the template renders
+        else:
+            raise APIError(400, f"Unsupported input item type {kind!r}.", param=where)
+    if not messages:
+        raise APIError(400, "The input is empty.", param="input")
+    tools = []
+    for i, tool in enumerate(req.tools or []):
+        if tool.get("type") != "function":
+            raise APIError(
+                400,
+                f"Only function tools are supported; got {tool.get('type')!r}.",
+                param=f"tools[{i}]",
+            )
+        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+        function = {"name": tool.get("name"), "description": tool.get("description") or ""}
+        tools.append({"type": "function", "function": {**function, "parameters": parameters}})
+    chat = {
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tools": tools or None,
+        "tool_choice": _tool_choice(req.tool_choice) if tools else None,
+        "response_format": _format(req.text),
+    }
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:  # what this API let through and chat's rules do not
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, "Expected a string or a list of text parts.", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(
+            part.get("text"), str
+        ):
+            raise APIError(400, f"Unsupported content part {kind!r}.", param=f"{where}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise APIError(400, f"Unsupported tool_choice {choice!r}.", param="tool_choice")
+
+
+def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    spec = (text or {}).get("format")
+    if not isinstance(spec, dict) or spec.get("type") == "text":
+        return None
+    if spec.get("type") == "json_schema":
+        schema = {key: spec.get(key) for key in ("name", "schema", "strict")}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": spec.get("type")}
+
+
+class ResponsesServing:
+    def __init__(self, chat: ChatCompletionsServing) -> None:
+        self.chat = chat
+
+    async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
+        chat = await off_loop(to_chat, req)
+        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
+        response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()))
+        if req.stream:
+            return EventStream(response.stream(run))
+        result = await until_disconnected(request, collect(run.events))
+        text, calls = run.reply.whole(result.text)
+        items = [_message(response.message_id, text or "")] if text else []
+        items += [_function_call(call) for call in calls]
+        usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+        return response.body(items, result.finish_reason, usage)
+
+
+def _message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {
+        "type": "message", "id": item_id, "status": status, "role": "assistant",
+        "content": [part],
+    }  # fmt: skip
+
+
+def _function_call(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id, "name": call.function.name, "arguments": call.function.arguments,
+        "status": status,
+    }  # fmt: skip
+
+
+def _usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+class _Response:
+    """One response object, as created, streamed and completed."""
+
+    def __init__(self, req: ResponsesRequest, rid: str, created: int) -> None:
+        self.req, self.id, self.created = req, rid, created
+        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.sequence = 0
+
+    def body(self, items: list, finish: str | None, usage: dict | None, status: str = "") -> dict:
+        status = status or ("incomplete" if finish == "length" else "completed")
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.req.model,
+            "output": items,
+            "usage": usage,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": self.req.instructions,
+            "max_output_tokens": self.req.max_output_tokens,
+            "parallel_tool_calls": False,
+            "temperature": self.req.temperature,
+            "top_p": self.req.top_p,
+            "tool_choice": self.req.tool_choice or "auto",
+            "tools": self.req.tools or [],
+            "text": self.req.text or {"format": {"type": "text"}},
+            "store": False,
+            "metadata": {},
+        }
+
+    def event(self, kind: str, **data: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence, **data}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def stream(self, run: Run) -> AsyncIterator[str]:
+        items: list[dict[str, Any]] = []  # output items, as they stand
+        text: list | None = None  # the message item's output index and text, once text comes
+        calls: dict[int, int] = {}  # tool-call delta index -> output index
+        cached = 0
+        started = self.body([], None, None, "in_progress")
+        yield self.event("response.created", response=started)
+        async for event in run.events:
+            if isinstance(event, Started):
+                cached = event.cached_tokens
+                yield self.event("response.in_progress", response=started)
+            elif isinstance(event, Failed):
+                _, kind = failure_status(event)
+                failed = self.body(items, None, None, "failed")
+                failed["error"] = {"code": kind, "message": event.message}
+                yield self.event("response.failed", response=failed)
+                return
+            elif isinstance(event, Delta | Finished):
+                end = isinstance(event, Finished)
+                piece, deltas = run.reply.finish() if end else run.reply.feed(event.text)
+                if piece:
+                    if text is None:
+                        text = [len(items), ""]
+                        items.append(_message(self.message_id, "", "in_progress"))
+                        for out in self._open_message(text[0], dict(items[text[0]])):
+                            yield out
+                    text[1] += piece
+                    yield self.event(
+                        "response.output_text.delta", item_id=self.message_id,
+                        output_index=text[0], content_index=0, delta=piece, logprobs=[],
+                    )  # fmt: skip
+                for out in self._calls(deltas, items, calls):
+                    yield out
+                if end:
+                    for out in self._close(items, text, calls):
+                        yield out
+                    usage = _usage(run.prompt_tokens, cached, event.completion_tokens)
+                    done = self.body(items, event.reason, usage)
+                    incomplete = done["status"] == "incomplete"
+                    yield self.event(
+                        "response.incomplete" if incomplete else "response.completed",
+                        response=done,
+                    )
+                    return
+
+    def _open_message(self, index: int, item: dict[str, Any]) -> list[str]:
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event("response.output_item.added", output_index=index, item=item),
+            self.event(
+                "response.content_part.added", item_id=self.message_id,
+                output_index=index, content_index=0, part=part,
+            ),
+        ]  # fmt: skip
+
+    def _calls(self, deltas: list[ToolCallDelta], items: list, calls: dict[int, int]) -> list[str]:
+        out = []
+        for delta in deltas:
+            if delta.index not in calls:
+                calls[delta.index] = len(items)
+                call_id = delta.id or f"call_{uuid.uuid4().hex[:24]}"
+                item = {
+                    "type": "function_call", "id": "fc_" + call_id.removeprefix("call_"),
+                    "call_id": call_id, "name": delta.function.name if delta.function else "",
+                    "arguments": "", "status": "in_progress",
+                }  # fmt: skip
+                items.append(item)
+                added = self.event(
+                    "response.output_item.added", output_index=calls[delta.index], item=dict(item)
+                )
+                out.append(added)
+            fragment = delta.function.arguments if delta.function else None
+            if fragment:
+                index = calls[delta.index]
+                items[index]["arguments"] += fragment
+                out.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=items[index]["id"],
+                        output_index=index,
+                        delta=fragment,
+                    )  # fmt: skip
+                )
+        return out
+
+    def _close(self, items: list, text: list | None, calls: dict[int, int]) -> list[str]:
+        out = []
+        if text is not None:
+            index, whole = text
+            part = {"type": "output_text", "text": whole, "annotations": [], "logprobs": []}
+            out.append(self.event("response.output_text.done", item_id=self.message_id,
+                                  output_index=index, content_index=0, text=whole,
+                                  logprobs=[]))  # fmt: skip
+            out.append(self.event("response.content_part.done", item_id=self.message_id,
+                                  output_index=index, content_index=0, part=part))  # fmt: skip
+            items[index] = _message(self.message_id, whole)
+            out.append(self.event("response.output_item.done", output_index=index,
+                                  item=items[index]))  # fmt: skip
+        for index in calls.values():
+            item = {**items[index], "status": "completed"}
+            items[index] = item
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=index, arguments=item["arguments"]))  # fmt: skip
+            out.append(self.event("response.output_item.done", output_index=index, item=item))
+        return out

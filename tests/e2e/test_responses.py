@@ -1,0 +1,121 @@
+"""OpenAI's Responses API through the official `openai` SDK against live servers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+INSTRUCTIONS = "You are a terse coding agent. " * 4
+
+
+def client_of(live) -> OpenAI:
+    return OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_response_with_its_usage(tools_live):
+    client = client_of(tools_live)
+    kwargs = dict(model="tiny", instructions=INSTRUCTIONS, input="Say hello.",
+                  max_output_tokens=12, temperature=0)  # fmt: skip
+    first = client.responses.create(**kwargs)
+    assert first.object == "response" and first.id.startswith("resp_")
+    assert first.status in ("completed", "incomplete") and first.output[0].type == "message"
+    again = client.responses.create(**kwargs)
+    assert again.output_text == first.output_text
+    # input_tokens counts every prompt token; the cached ones are in its details.
+    assert again.usage.input_tokens == first.usage.input_tokens
+    assert again.usage.input_tokens_details.cached_tokens == first.usage.input_tokens - 1
+
+
+def test_a_stream_of_response_events(tools_live):
+    client = client_of(tools_live)
+    kwargs = dict(model="tiny", input="Say hello.", max_output_tokens=12, temperature=0)
+    kinds, sequence, text, last = [], [], "", None
+    with client.responses.stream(**kwargs) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            sequence.append(event.sequence_number)
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            last = event
+    # 12 tokens run out before the tiny model ends its reply: the response is incomplete.
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert sequence == list(range(len(sequence)))
+    assert text == last.response.output_text == client.responses.create(**kwargs).output_text
+
+
+def test_a_function_call_round_trip_reuses_the_cache(tools_live, tools_uncached):
+    def loop(live):
+        client = client_of(live)
+        items: list = [{"role": "user", "content": "Weather in Paris this week?"}]
+        replies = []
+        for turn in range(3):
+            r = client.responses.create(
+                model="tiny", instructions=INSTRUCTIONS, input=items, tools=[WEATHER],
+                tool_choice="required", max_output_tokens=100, temperature=0,
+            )  # fmt: skip
+            (call,) = [o for o in r.output if o.type == "function_call"]
+            args = json.loads(call.arguments)
+            assert call.name == "get_weather" and args["city"] in ("Paris", "Lyon", "Nice")
+            replies.append(r)
+            items += [
+                call,  # the SDK's own item, sent back as it came
+                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."},
+                {"role": "user", "content": f"And on day {turn + 2}?"},
+            ]
+        return replies
+
+    cached, plain = loop(tools_live), loop(tools_uncached)
+    assert [r.output[0].arguments for r in cached] == [r.output[0].arguments for r in plain]
+    for earlier, later in zip(cached, cached[1:], strict=False):
+        seen = earlier.usage.input_tokens + earlier.usage.output_tokens - 1
+        assert later.usage.input_tokens_details.cached_tokens >= seen
+
+
+def test_a_function_call_streams_its_arguments(tools_live):
+    with client_of(tools_live).responses.stream(
+        model="tiny", input="Weather?", tools=[WEATHER], max_output_tokens=100, temperature=0,
+        tool_choice={"type": "function", "name": "get_weather"},
+    ) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.count("response.function_call_arguments.delta") > 1
+    (call,) = final.output
+    assert call.type == "function_call" and set(json.loads(call.arguments)) == {"city", "days"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": [{"type": "image_generation_call"}]}, "input[0]"),
+        ({"input": []}, "input"),
+    ],
+)
+def test_what_is_not_supported_is_a_400_in_openais_shape(tools_live, body, param):
+    r = httpx.post(
+        tools_live.url + "/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    with pytest.raises(openai.BadRequestError):
+        client_of(tools_live).responses.create(model="tiny", input="hi", previous_response_id="r")
