@@ -11,6 +11,7 @@ makes nearly free to resend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -28,6 +29,8 @@ from .schemas import ChatCompletionRequest, ToolCall, ToolCallDelta, _has_surrog
 from .sse import EventStream
 
 ROUTE = "/v1/responses"
+HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpreter",
+                "computer_use_preview", "image_generation", "local_shell", "mcp"}  # fmt: skip
 
 
 class ResponsesRequest(_Request):
@@ -63,34 +66,40 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             "whole conversation as input; its cache makes that nearly free.",
             param="previous_response_id",
         )
+    # Turns are merged as a chat template expects them: one leading system turn (the
+    # instructions and developer messages), no two user turns in a row, and an assistant's
+    # text and calls in one turn, as the model produced them (so its tokens stay cached).
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input[{i}]"
+        last = messages[-1] if messages else None
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"Unknown role {role!r}.", param=f"{where}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), where)})
+            role = "system" if role == "developer" else role
+            text = _text(item.get("content"), where)
+            if last is not None and last["role"] == role and role in ("system", "user"):
+                last["content"] = f"{last['content']}\n\n{text}"
+            else:
+                messages.append({"role": role, "content": text})
         elif kind == "function_call":
-            call = {
-                "id": str(item.get("call_id")),
-                "type": "function",
-                "function": {"name": str(item.get("name")), "arguments": item.get("arguments", "")},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            call_id, name = _named(item, "call_id", where), _named(item, "name", where)
+            arguments = item.get("arguments", "")
+            function = {"name": name, "arguments": arguments if isinstance(arguments, str) else ""}
+            call = {"id": call_id, "type": "function", "function": function}
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the same turn's text or calls
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output", "")
             content = output if isinstance(output, str) else _text(output, f"{where}.output")
-            messages.append(
-                {"role": "tool", "tool_call_id": str(item.get("call_id")), "content": content}
-            )
+            call_id = _named(item, "call_id", where)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
             continue  # passed back by the client; not part of what the template renders
         else:
@@ -99,6 +108,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, "The input is empty.", param="input")
     tools = []
     for i, tool in enumerate(req.tools or []):
+        if tool.get("type") in HOSTED_TOOLS:
+            continue  # the provider's own tools: nothing here runs them, so none is offered
         if tool.get("type") != "function":
             raise APIError(
                 400,
@@ -124,6 +135,13 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
+
+
+def _named(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"'{key}' is required here.", param=f"{where}.{key}")
+    return value
 
 
 def _text(content: Any, where: str) -> str:
@@ -174,8 +192,9 @@ class ResponsesServing:
             return EventStream(response.stream(run))
         result = await until_disconnected(request, collect(run.events))
         text, calls = run.reply.whole(result.text)
-        items = [_message(response.message_id, text or "")] if text else []
-        items += [_function_call(call) for call in calls]
+        status = "incomplete" if result.finish_reason == "length" else "completed"
+        items = [_message(response.message_id, text or "", status)] if text else []
+        items += [_function_call(call, status) for call in calls]
         usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
         return response.body(items, result.finish_reason, usage)
 
@@ -244,13 +263,21 @@ class _Response:
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     async def stream(self, run: Run) -> AsyncIterator[str]:
+        # Closed here, not left to the garbage collector: a client gone mid-stream ends
+        # its generation at once.
+        async with contextlib.aclosing(run.events) as events:
+            async for out in self._events(run, events):
+                yield out
+
+    async def _events(self, run: Run, events: AsyncIterator[Any]) -> AsyncIterator[str]:
         items: list[dict[str, Any]] = []  # output items, as they stand
         text: list | None = None  # the message item's output index and text, once text comes
+        blank = ""  # whitespace not yet sent: dropped if a call, not text, comes next
         calls: dict[int, int] = {}  # tool-call delta index -> output index
         cached = 0
         started = self.body([], None, None, "in_progress")
         yield self.event("response.created", response=started)
-        async for event in run.events:
+        async for event in events:
             if isinstance(event, Started):
                 cached = event.cached_tokens
                 yield self.event("response.in_progress", response=started)
@@ -263,11 +290,14 @@ class _Response:
             elif isinstance(event, Delta | Finished):
                 end = isinstance(event, Finished)
                 piece, deltas = run.reply.finish() if end else run.reply.feed(event.text)
+                if text is None and piece and not piece.strip():
+                    blank, piece = blank + piece, ""
                 if piece:
+                    piece, blank = blank + piece, ""
                     if text is None:
                         text = [len(items), ""]
                         items.append(_message(self.message_id, "", "in_progress"))
-                        for out in self._open_message(text[0], dict(items[text[0]])):
+                        for out in self._open_message(text[0]):
                             yield out
                     text[1] += piece
                     yield self.event(
@@ -277,18 +307,16 @@ class _Response:
                 for out in self._calls(deltas, items, calls):
                     yield out
                 if end:
-                    for out in self._close(items, text, calls):
+                    status = "incomplete" if event.reason == "length" else "completed"
+                    for out in self._close(items, text, calls, status):
                         yield out
                     usage = _usage(run.prompt_tokens, cached, event.completion_tokens)
                     done = self.body(items, event.reason, usage)
-                    incomplete = done["status"] == "incomplete"
-                    yield self.event(
-                        "response.incomplete" if incomplete else "response.completed",
-                        response=done,
-                    )
+                    yield self.event(f"response.{done['status']}", response=done)
                     return
 
-    def _open_message(self, index: int, item: dict[str, Any]) -> list[str]:
+    def _open_message(self, index: int) -> list[str]:
+        item = {**_message(self.message_id, "", "in_progress"), "content": []}  # parts follow
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             self.event("response.output_item.added", output_index=index, item=item),
@@ -328,7 +356,9 @@ class _Response:
                 )
         return out
 
-    def _close(self, items: list, text: list | None, calls: dict[int, int]) -> list[str]:
+    def _close(
+        self, items: list, text: list | None, calls: dict[int, int], status: str
+    ) -> list[str]:
         out = []
         if text is not None:
             index, whole = text
@@ -338,11 +368,11 @@ class _Response:
                                   logprobs=[]))  # fmt: skip
             out.append(self.event("response.content_part.done", item_id=self.message_id,
                                   output_index=index, content_index=0, part=part))  # fmt: skip
-            items[index] = _message(self.message_id, whole)
+            items[index] = _message(self.message_id, whole, status)
             out.append(self.event("response.output_item.done", output_index=index,
                                   item=items[index]))  # fmt: skip
         for index in calls.values():
-            item = {**items[index], "status": "completed"}
+            item = {**items[index], "status": status}
             items[index] = item
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, arguments=item["arguments"]))  # fmt: skip

@@ -106,7 +106,11 @@ def test_a_function_call_streams_its_arguments(tools_live):
     ("body", "param"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0]"),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0].call_id",
+        ),
         ({"input": [{"type": "image_generation_call"}]}, "input[0]"),
         ({"input": []}, "input"),
     ],
@@ -117,5 +121,22 @@ def test_what_is_not_supported_is_a_400_in_openais_shape(tools_live, body, param
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_codex_shaped_input_is_taken_as_a_template_wants_it(tools_live):
+    client = client_of(tools_live)
     with pytest.raises(openai.BadRequestError):
-        client_of(tools_live).responses.create(model="tiny", input="hi", previous_response_id="r")
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_1")
+    r = client.responses.create(
+        model="tiny",
+        instructions=INSTRUCTIONS,
+        input=[
+            {"role": "developer", "content": "Work in /repo."},  # merged into the system turn
+            {"role": "user", "content": [{"type": "input_text", "text": "Context."}]},
+            {"role": "user", "content": "Fix the bug."},  # merged with the user turn before
+        ],
+        tools=[WEATHER, {"type": "web_search"}],  # a hosted tool: not offered, not refused
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert r.status == "incomplete" and r.output[0].status == "incomplete"
