@@ -22,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
     serve.add_argument("--model", help="model folder or Hugging Face id (default: embedded)")
     serve.add_argument("--served-model-name", help="the model id clients use")
+    serve.add_argument(
+        "--model-alias",
+        dest="model_aliases",
+        action="append",
+        help="another name clients may send for the model, e.g. gpt-4o (repeatable)",
+    )
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8080)")
     serve.add_argument("--config", type=Path, help="a TOML settings file, see configs/")

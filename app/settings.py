@@ -21,6 +21,7 @@ ENV_PREFIX = "MLX_CACHE_SERVER_"
 class Settings:
     model: str | None = None  # a local folder or Hugging Face id; None: the embedded default
     served_model_name: str | None = None
+    model_aliases: list[str] = field(default_factory=list)  # more names clients may send for it
     host: str = "127.0.0.1"
     port: int = 8080
     cache_max_sequences: int = 64

@@ -44,7 +44,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    aliases = model_aliases(engine.model_id)
+    aliases = model_aliases(engine.model_id) | set(settings.model_aliases)
     metrics_ = Metrics(engine)
     defaults = sampling_defaults(settings, engine.generation_config)
     chat_serving = ChatCompletionsServing(engine, settings, metrics_, aliases, defaults)

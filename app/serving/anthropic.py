@@ -165,7 +165,8 @@ class MessagesServing:
         self.chat = chat
 
     def served_as(self, name: str) -> str:
-        """Claude model names mean the served model: agents send theirs."""
+        """Claude model names mean the served model (agents send theirs), as do the
+        configured aliases (`--model-alias`)."""
         return self.chat.engine.model_id if name.startswith("claude") else name
 
     async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:

@@ -212,3 +212,15 @@ def test_pings_keep_a_slow_stream_alive(tools_live, monkeypatch):
         kinds = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
     assert kinds.count("ping") > 1 and kinds[-1] == "message_stop"
     assert kinds.index("message_start") < kinds.index("content_block_start")
+
+
+def test_configured_aliases_name_the_served_model_in_every_api(tiny_model_dir):
+    from openai import OpenAI
+
+    with serving(str(tiny_model_dir), served_model_name="tiny", model_aliases=["gpt-4o"]) as live:
+        chat = OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        r = chat.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=2)
+        assert r.model == "gpt-4o"
+        assert client_of(live).messages.create(model="gpt-4o", messages=HELLO, max_tokens=2)
+        with pytest.raises(anthropic.NotFoundError):
+            client_of(live).messages.create(model="gpt-5", messages=HELLO, max_tokens=2)
