@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import Request
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field
 
 from ..engine import Delta, Event, Failed, Finished, Started
-from .chat import ChatCompletionsServing, render
+from .chat import ChatCompletionsServing, chat_request, render
 from .errors import APIError
 from .generation import collect, failure_status, off_loop, until_disconnected
 from .limits import check_model, check_prompt_chars
-from .schemas import ChatCompletionRequest, ToolCallDelta, _has_surrogate, _Request
+from .schemas import ChatCompletionRequest, TextRequest, ToolCallDelta, _Request
 from .sse import EventStream
 from .tools import plan_tools
 
@@ -37,14 +37,7 @@ class AnthropicMessage(_Request):
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequest(_Request):
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if _has_surrogate(data):
-            raise ValueError("the request contains a lone UTF-16 surrogate escape; send valid text")
-        return data
-
+class MessagesRequest(TextRequest):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -125,12 +118,7 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     }
     if not messages:
         raise APIError(400, "The messages have no content.", param="messages")
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:  # what this API let through and chat's rules do not
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
+    return chat_request(chat)
 
 
 def _text(blocks: Any, param: str) -> str:

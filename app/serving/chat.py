@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
 from ..engine.constraint import GrammarProcessor, build_constraint
-from ..settings import Settings
-from .defaults import SamplingDefaults
 from .errors import APIError
 from .generation import (
     RequestContext,
+    Surface,
     collect,
     new_id,
     now,
@@ -25,7 +25,6 @@ from .generation import (
     until_disconnected,
 )
 from .limits import check_model, check_prompt_chars, reserve_slot, sampling_params
-from .metrics import Metrics
 from .schemas import (
     ChatChoice,
     ChatCompletion,
@@ -58,18 +57,7 @@ from .tools import (
 ROUTE = "/v1/chat/completions"
 
 
-class ChatCompletionsServing:
-    def __init__(
-        self,
-        engine: Engine,
-        settings: Settings,
-        metrics: Metrics,
-        aliases: set[str],
-        defaults: SamplingDefaults,
-    ) -> None:
-        self.engine, self.settings, self.metrics, self.aliases = engine, settings, metrics, aliases
-        self.defaults = defaults
-
+class ChatCompletionsServing(Surface):
     async def create(
         self, req: ChatCompletionRequest, request: Request, tenant: str | None
     ) -> ChatCompletion | EventStream:
@@ -161,6 +149,17 @@ class Run:
     prompt_tokens: int
 
 
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request another API's request was translated into, or a 400 saying what of
+    it chat's rules refuse (the other API's own validation let it through)."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
+
+
 def _constraint(engine: Engine, grammar: str) -> GrammarProcessor:
     try:
         return build_constraint(engine.grammars, grammar)
@@ -199,7 +198,7 @@ class Reply:
         if self.mode == "forced":
             if not forced_call(self.forced):  # cut off (max_tokens): what there is, as text
                 return ("" if self.call else self.forced), []
-            return "", self._forced("", end=True)
+            return "", self._forced("")
         if self.text is None:
             return "", []
         content, calls = self.text.finish()
@@ -217,7 +216,7 @@ class Reply:
         content, calls = content + rest, (calls + more if self.keep else [])
         return (None if calls and not content.strip() else content), calls
 
-    def _forced(self, text: str, end: bool = False) -> list[ToolCallDelta]:
+    def _forced(self, text: str) -> list[ToolCallDelta]:
         self.forced += text
         out = []
         if self.call is None:

@@ -7,11 +7,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from ..engine import Delta, Engine, Event, TokenLogprob
-from ..settings import Settings
-from .defaults import SamplingDefaults
 from .errors import APIError
 from .generation import (
     RequestContext,
+    Surface,
     collect,
     new_id,
     now,
@@ -20,7 +19,6 @@ from .generation import (
     until_disconnected,
 )
 from .limits import check_model, check_prompt_chars, reserve_slot, sampling_params
-from .metrics import Metrics
 from .schemas import (
     Completion,
     CompletionChoice,
@@ -34,18 +32,7 @@ from .sse import EventStream, sse_stream
 ROUTE = "/v1/completions"
 
 
-class CompletionsServing:
-    def __init__(
-        self,
-        engine: Engine,
-        settings: Settings,
-        metrics: Metrics,
-        aliases: set[str],
-        defaults: SamplingDefaults,
-    ) -> None:
-        self.engine, self.settings, self.metrics, self.aliases = engine, settings, metrics, aliases
-        self.defaults = defaults
-
+class CompletionsServing(Surface):
     async def create(
         self, req: CompletionRequest, request: Request, tenant: str | None
     ) -> Completion | EventStream:

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from ..engine import Delta, Engine, Event, Failed, Finished, SamplingParams, Started, TokenLogprob
+from ..settings import Settings
+from .defaults import SamplingDefaults
 from .errors import APIError
 from .limits import Slot
 from .metrics import Metrics
@@ -22,6 +24,17 @@ from .schemas import PromptTokensDetails, Usage
 
 request_log = logging.getLogger("mlx_cache_server.requests")
 T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Surface:
+    """What a serving class works with: the engine, and the server's rules for requests."""
+
+    engine: Engine
+    settings: Settings
+    metrics: Metrics
+    aliases: set[str]  # names a request may use for the served model
+    defaults: SamplingDefaults  # sampling for what a request leaves out
 
 
 @dataclass

@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field
 
 from ..engine import Delta, Failed, Finished, Started
-from .chat import ChatCompletionsServing, Run
+from .chat import ChatCompletionsServing, Run, chat_request
 from .errors import APIError
 from .generation import collect, failure_status, off_loop, until_disconnected
-from .schemas import ChatCompletionRequest, ToolCall, ToolCallDelta, _has_surrogate, _Request
+from .schemas import ChatCompletionRequest, TextRequest, ToolCall, ToolCallDelta
 from .sse import EventStream
 
 ROUTE = "/v1/responses"
@@ -33,14 +33,7 @@ HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpr
                 "computer_use_preview", "image_generation", "local_shell", "mcp"}  # fmt: skip
 
 
-class ResponsesRequest(_Request):
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        if _has_surrogate(data):
-            raise ValueError("the request contains a lone UTF-16 surrogate escape; send valid text")
-        return data
-
+class ResponsesRequest(TextRequest):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -129,12 +122,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "tool_choice": _tool_choice(req.tool_choice) if tools else None,
         "response_format": _format(req.text),
     }
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:  # what this API let through and chat's rules do not
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
+    return chat_request(chat)
 
 
 def _named(item: dict[str, Any], key: str, where: str) -> str:

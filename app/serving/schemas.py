@@ -56,8 +56,8 @@ def _has_surrogate(value: Any) -> bool:
     return False
 
 
-class SamplingFields(_Request):
-    """What chat and text completion requests share."""
+class TextRequest(_Request):
+    """A whole request body (of any API), checked once for text no tokenizer takes."""
 
     @model_validator(mode="before")
     @classmethod
@@ -69,6 +69,10 @@ class SamplingFields(_Request):
                 "which is not text; send valid Unicode"
             )
         return data
+
+
+class SamplingFields(TextRequest):
+    """What chat and text completion requests share."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
