@@ -8,6 +8,18 @@ from typing import Any
 
 from app.engine import Failed, Finished
 
+# A tool's parameters that bound every value, so a forced call always ends: as each API
+# (chat tools, Anthropic's input_schema, Responses' function tools) wraps it.
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
 
 def wait_until(condition: Callable[[], Any], seconds: float = 60) -> None:
     """Poll `condition` until it holds; fail the test after `seconds`."""

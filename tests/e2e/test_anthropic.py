@@ -6,20 +6,13 @@ import anthropic
 import httpx
 import pytest
 
+from tests.helpers import WEATHER_PARAMETERS
 from tests.live import serving
 
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        },
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
+    "input_schema": WEATHER_PARAMETERS,
 }
 HELLO = [{"role": "user", "content": "Say hello."}]
 SYSTEM = "You are a terse assistant. " * 4

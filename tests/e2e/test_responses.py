@@ -9,19 +9,13 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.helpers import WEATHER_PARAMETERS
+
 WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-            "days": {"type": "integer", "minimum": 1, "maximum": 7},
-        },
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
+    "parameters": WEATHER_PARAMETERS,
 }
 INSTRUCTIONS = "You are a terse coding agent. " * 4
 

@@ -9,20 +9,14 @@ import openai
 import pytest
 from openai import OpenAI
 
+from tests.helpers import WEATHER_PARAMETERS
+
 WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_PARAMETERS,
     },
 }
 TIME = {
