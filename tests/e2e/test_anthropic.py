@@ -61,39 +61,43 @@ def test_a_stream_comes_in_anthropics_event_order(tools_live):
     assert final.usage.output_tokens == plain.usage.output_tokens
 
 
-def test_a_tool_use_round_trip_reuses_the_cache(tools_live, tools_uncached):
+def test_an_eight_turn_agent_loop_reuses_the_cache(tools_live, tools_uncached):
+    """Turns alternate between a forced call, answered by a tool result, and a reply in
+    words, answered by the user: the history grows the way an agent's does."""
+
     def loop(live):
         client = client_of(live)
         messages: list = [{"role": "user", "content": "Weather in Paris this week?"}]
         replies = []
-        for turn in range(3):
+        for turn in range(8):
+            call = turn % 2 == 0
             r = client.messages.create(
                 model="tiny", system=SYSTEM, messages=messages, tools=[WEATHER],
-                tool_choice={"type": "any"}, max_tokens=100, extra_body={"temperature": 0},
+                tool_choice={"type": "any" if call else "none"}, max_tokens=100 if call else 8,
+                extra_body={"temperature": 0},
             )  # fmt: skip
-            (use,) = [b for b in r.content if b.type == "tool_use"]
-            assert r.stop_reason == "tool_use" and use.name == "get_weather"
-            assert use.input["city"] in ("Paris", "Lyon", "Nice") and 1 <= use.input["days"] <= 7
             replies.append(r)
-            messages += [
-                {"role": "assistant", "content": r.content},
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny."},
-                        {"type": "text", "text": f"And on day {turn + 2}?"},
-                    ],
-                },
-            ]
+            messages.append({"role": "assistant", "content": r.content})
+            if call:
+                (use,) = [b for b in r.content if b.type == "tool_use"]
+                assert r.stop_reason == "tool_use" and use.name == "get_weather"
+                assert use.input["city"] in ("Paris", "Lyon", "Nice")
+                assert 1 <= use.input["days"] <= 7
+                result = {"type": "tool_result", "tool_use_id": use.id, "content": f"Sunny {turn}."}
+                messages.append({"role": "user", "content": [result]})
+            else:
+                assert r.stop_reason in ("end_turn", "max_tokens") and r.content[0].type == "text"
+                messages.append({"role": "user", "content": f"And on day {turn + 2}?"})
         return replies
 
+    def said(r):
+        return [b.input if b.type == "tool_use" else b.text for b in r.content]
+
     cached_replies, plain_replies = loop(tools_live), loop(tools_uncached)
-    assert [r.content[0].input for r in cached_replies] == [
-        r.content[0].input for r in plain_replies
-    ]
+    assert [said(r) for r in cached_replies] == [said(r) for r in plain_replies]
     for earlier, later in zip(cached_replies, cached_replies[1:], strict=False):
         seen = earlier.usage.input_tokens + earlier.usage.cache_read_input_tokens
-        # The previous request's prompt and its call are reused (the end token aside).
+        # The previous request's prompt and its reply are reused (the end token aside).
         assert later.usage.cache_read_input_tokens >= seen + earlier.usage.output_tokens - 1
 
 

@@ -56,29 +56,41 @@ def test_a_stream_of_response_events(tools_live):
     assert text == last.response.output_text == client.responses.create(**kwargs).output_text
 
 
-def test_a_function_call_round_trip_reuses_the_cache(tools_live, tools_uncached):
+def test_an_eight_turn_agent_loop_reuses_the_cache(tools_live, tools_uncached):
+    """Turns alternate between a forced call, answered by its output, and a reply in
+    words, answered by the user, as Codex's history grows."""
+
     def loop(live):
         client = client_of(live)
         items: list = [{"role": "user", "content": "Weather in Paris this week?"}]
         replies = []
-        for turn in range(3):
+        for turn in range(8):
+            call = turn % 2 == 0
             r = client.responses.create(
                 model="tiny", instructions=INSTRUCTIONS, input=items, tools=[WEATHER],
-                tool_choice="required", max_output_tokens=100, temperature=0,
+                tool_choice="required" if call else "none", max_output_tokens=100 if call else 8,
+                temperature=0,
             )  # fmt: skip
-            (call,) = [o for o in r.output if o.type == "function_call"]
-            args = json.loads(call.arguments)
-            assert call.name == "get_weather" and args["city"] in ("Paris", "Lyon", "Nice")
             replies.append(r)
-            items += [
-                call,  # the SDK's own item, sent back as it came
-                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."},
-                {"role": "user", "content": f"And on day {turn + 2}?"},
-            ]
+            if call:
+                (out,) = [o for o in r.output if o.type == "function_call"]
+                args = json.loads(out.arguments)
+                assert out.name == "get_weather" and args["city"] in ("Paris", "Lyon", "Nice")
+                items += [
+                    out,  # the SDK's own item, sent back as it came
+                    {"type": "function_call_output", "call_id": out.call_id, "output": "Sunny."},
+                ]
+            else:
+                (message,) = r.output
+                assert message.type == "message" and r.output_text
+                items += [message, {"role": "user", "content": f"And on day {turn + 2}?"}]
         return replies
 
+    def said(r):
+        return [o.arguments if o.type == "function_call" else r.output_text for o in r.output]
+
     cached, plain = loop(tools_live), loop(tools_uncached)
-    assert [r.output[0].arguments for r in cached] == [r.output[0].arguments for r in plain]
+    assert [said(r) for r in cached] == [said(r) for r in plain]
     for earlier, later in zip(cached, cached[1:], strict=False):
         seen = earlier.usage.input_tokens + earlier.usage.output_tokens - 1
         assert later.usage.input_tokens_details.cached_tokens >= seen

@@ -98,37 +98,46 @@ def test_a_model_without_tool_templates_can_still_be_made_to_call(server, client
     assert e.value.body["code"] == "tools_not_supported"
 
 
-def test_a_three_turn_tool_loop_reuses_the_cache(tools_live):
-    client = client_of(tools_live)
-    messages: list = [{"role": "system", "content": "You answer with tools."}, *ASK]
-    first = client.chat.completions.create(
-        model="tiny", messages=messages, tools=[WEATHER], tool_choice="required", temperature=0
-    )
-    call = first.choices[0].message.tool_calls[0]
-    messages += [
-        first.choices[0].message,  # the SDK's own type, sent back as it came
-        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 degrees."},
-    ]
-    second = client.chat.completions.create(
-        model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=8,
-        temperature=0,
-    )  # fmt: skip
-    assert second.choices[0].message.tool_calls is None
-    messages += [
-        {"role": "assistant", "content": second.choices[0].message.content},
-        {"role": "user", "content": "And tomorrow?"},
-    ]
-    third = client.chat.completions.create(
-        model="tiny", messages=messages, tools=[WEATHER], tool_choice="required", temperature=0
-    )
-    valid_weather(third.choices[0].message.tool_calls[0].function.arguments)
-    for earlier, later in ((first, second), (second, third)):
-        cached = later.usage.prompt_tokens_details.cached_tokens
+def test_an_eight_turn_tool_loop_reuses_the_cache(tools_live, tools_uncached):
+    """Turns alternate between a forced call, answered by a tool message, and a reply in
+    words, answered by the user."""
+
+    def loop(live):
+        client = client_of(live)
+        messages: list = [{"role": "system", "content": "You answer with tools."}, *ASK]
+        replies = []
+        for turn in range(8):
+            call = turn % 2 == 0
+            r = client.chat.completions.create(
+                model="tiny", messages=messages, tools=[WEATHER],
+                tool_choice="required" if call else "none", max_tokens=None if call else 8,
+                temperature=0,
+            )  # fmt: skip
+            replies.append(r)
+            message = r.choices[0].message
+            messages.append(message)  # the SDK's own type, sent back as it came
+            if call:
+                valid_weather(message.tool_calls[0].function.arguments)
+                result = {"role": "tool", "tool_call_id": message.tool_calls[0].id}
+                messages.append({**result, "content": f"Sunny, {20 + turn} degrees."})
+            else:
+                assert message.tool_calls is None and message.content
+                messages.append({"role": "user", "content": "And tomorrow?"})
+        return replies
+
+    def said(r):
+        message = r.choices[0].message
+        return message.content, [c.function.arguments for c in message.tool_calls or []]
+
+    cached, plain = loop(tools_live), loop(tools_uncached)
+    assert [said(r) for r in cached] == [said(r) for r in plain]
+    for earlier, later in zip(cached, cached[1:], strict=False):
+        got = later.usage.prompt_tokens_details.cached_tokens
         # The previous request's prompt and reply are all reused: the template re-renders the
         # call (its marker written into the prompt, its JSON in the template's own style) and
         # the answer as the tokens generated; only the end token differs.
         u = earlier.usage
-        assert cached >= u.prompt_tokens + u.completion_tokens - 1, (cached, u)
+        assert got >= u.prompt_tokens + u.completion_tokens - 1, (got, u)
 
 
 SCHEMAS = {
