@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="max_tokens when a request sends none",
     )
+    serve.add_argument(
+        "--strip-attribution-header",
+        action="store_true",
+        default=None,
+        help="cut Claude Code's per-request x-anthropic-billing-header line from system prompts",
+    )
     serve.add_argument("--log-level", help="debug, info, warning or error")
     serve.add_argument(
         "--api-key",

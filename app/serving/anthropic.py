@@ -195,7 +195,8 @@ class MessagesServing:
         check_model(chat.model, engine, self.chat.aliases)
         check_prompt_chars(sum(len(m.content or "") for m in chat.messages), engine, "messages")
         tools = await off_loop(plan_tools, chat, engine)
-        return {"input_tokens": len(await off_loop(render, engine, chat, tools))}
+        strip = self.chat.settings.strip_attribution_header
+        return {"input_tokens": len(await off_loop(render, engine, chat, tools, strip))}
 
 
 def _input(arguments: str) -> dict[str, Any]:

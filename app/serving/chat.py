@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
 from ..engine.constraint import GrammarProcessor, build_constraint
+from . import attribution
 from .errors import APIError
 from .generation import (
     RequestContext,
@@ -113,7 +114,7 @@ class ChatCompletionsServing(Surface):
             # into a grammar takes what it takes, and must hold up nobody else.
             tools = await off_loop(plan_tools, req, engine)
             grammar = tools.grammar or await off_loop(response_format_grammar, req.response_format)
-            tokens = await off_loop(render, engine, req, tools)
+            tokens = await off_loop(render, engine, req, tools, settings.strip_attribution_header)
             params = sampling_params(
                 req,
                 prompt_tokens=len(tokens),
@@ -285,9 +286,13 @@ def _chars(m: ChatMessage) -> int:
     return len(m.content or "")
 
 
-def render(engine: Engine, req: ChatCompletionRequest, tools: ToolPlan) -> list[int]:
+def render(
+    engine: Engine, req: ChatCompletionRequest, tools: ToolPlan, strip_attribution: bool = False
+) -> list[int]:
     """The prompt's tokens: the messages (and tools) through the model's chat template."""
     messages = [_message(m, i, tools.templated) for i, m in enumerate(req.messages)]
+    if strip_attribution:
+        messages = attribution.strip_attribution(messages)
     kwargs: dict[str, Any] = {"add_generation_prompt": True}
     if tools.tools:
         kwargs["tools"] = tools.tools

@@ -221,3 +221,46 @@ def test_configured_aliases_name_the_served_model_in_every_api(tiny_model_dir):
         assert client_of(live).messages.create(model="gpt-4o", messages=HELLO, max_tokens=2)
         with pytest.raises(anthropic.NotFoundError):
             client_of(live).messages.create(model="gpt-5", messages=HELLO, max_tokens=2)
+
+
+def claude_code_system(cch: str) -> list[dict]:
+    header = f"x-anthropic-billing-header: cc_version=2.1.128.bd9; cc_entrypoint=cli; cch={cch};"
+    return [{"type": "text", "text": header}, {"type": "text", "text": SYSTEM}]
+
+
+def test_claude_codes_attribution_line_can_be_cut_so_turns_reuse_the_cache(
+    tiny_model_dir, tools_live
+):
+    def twice(live):
+        client = client_of(live)
+        return [
+            client.messages.create(
+                model="tiny",
+                system=claude_code_system(cch),
+                messages=HELLO,
+                max_tokens=4,
+                extra_body={"temperature": 0},
+            )  # fmt: skip
+            for cch in ("97bd6", "24c2d")
+        ]
+
+    _, default = twice(tools_live)
+    with serving(
+        str(tiny_model_dir), served_model_name="tiny", strip_attribution_header=True
+    ) as live:
+        first, second = twice(live)
+        plain = client_of(live).messages.create(
+            model="tiny", system=SYSTEM, messages=HELLO, max_tokens=4, extra_body={"temperature": 0}
+        )
+        total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+        assert second.usage.cache_read_input_tokens == total - 1
+        # The line is gone from the prompt: it is the same as one that never had it.
+        assert plain.usage.cache_read_input_tokens == total - 1
+        assert plain.content == first.content == second.content
+        counted = client_of(live).messages.count_tokens(
+            model="tiny", system=claude_code_system("ead88"), messages=HELLO
+        )
+        assert counted.input_tokens == total
+    # As served by default, nothing after the changing token is reused: all that follows it
+    # (the line's end, the system prompt, the messages) is prefilled again.
+    assert default.usage.input_tokens > total - 8

@@ -1,0 +1,35 @@
+"""Claude Code's attribution line, cut from system prompts when the operator asks.
+
+Claude Code (2.1.36 on) starts its system prompt with a text block
+`x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=XXXXX;` whose
+`cch` changes with every request (from 2.1.181, with every conversation when the
+base URL is not Anthropic's). At the very start of the prompt, it leaves a prefix
+cache nothing to reuse: every turn is prefilled whole, and no two sessions share
+their system prompt and tool definitions. Anthropic reads the line as billing
+data; a model has no use for it. `--strip-attribution-header` removes such lines
+from system messages before the chat template sees them; the client's own switch
+is `CLAUDE_CODE_ATTRIBUTION_HEADER=0`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# The line, and the blank lines that joined it to the next text block.
+LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|\Z)\n*", re.MULTILINE)
+
+
+def strip_attribution(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with attribution lines cut from system messages' text; a system
+    message that held nothing else is left out, as if never sent."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if message.get("role") == "system" and isinstance(content, str) and LINE.search(content):
+            content = LINE.sub("", content)
+            if not content.strip():
+                continue
+            message = {**message, "content": content}
+        out.append(message)
+    return out
