@@ -25,10 +25,20 @@ from ..engine import Delta, Failed, Finished, Started
 from .chat import ChatCompletionsServing, Run, chat_request
 from .errors import APIError
 from .generation import collect, failure_status, off_loop, until_disconnected
-from .schemas import ChatCompletionRequest, TextRequest, ToolCall, ToolCallDelta
+from .schemas import ChatCompletionRequest, FunctionCall, TextRequest, ToolCall, ToolCallDelta
 from .sse import EventStream
 
 ROUTE = "/v1/responses"
+# A custom (free-form) tool is offered to the model as a function of one string, since
+# that is what chat templates and tool parsers know; its call goes back to the client
+# as a custom_tool_call with that string as its input. The tool's input grammar (say,
+# Codex's apply_patch in Lark) is shown to the model in its description, not enforced.
+CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
 HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpreter",
                 "computer_use_preview", "image_generation", "local_shell", "mcp"}  # fmt: skip
 
@@ -79,16 +89,20 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                 last["content"] = f"{last['content']}\n\n{text}"
             else:
                 messages.append({"role": role, "content": text})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             call_id, name = _named(item, "call_id", where), _named(item, "name", where)
             arguments = item.get("arguments", "")
+            if kind == "custom_tool_call":
+                if not isinstance(item.get("input"), str):
+                    raise APIError(400, "'input' must be a string.", param=f"{where}.input")
+                arguments = _custom_arguments(item["input"])
             function = {"name": name, "arguments": arguments if isinstance(arguments, str) else ""}
             call = {"id": call_id, "type": "function", "function": function}
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the same turn's text or calls
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output", "")
             content = output if isinstance(output, str) else _text(output, f"{where}.output")
             call_id = _named(item, "call_id", where)
@@ -103,14 +117,17 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     for i, tool in enumerate(req.tools or []):
         if tool.get("type") in HOSTED_TOOLS:
             continue  # the provider's own tools: nothing here runs them, so none is offered
-        if tool.get("type") != "function":
+        if tool.get("type") not in ("function", "custom"):
             raise APIError(
                 400,
-                f"Only function tools are supported; got {tool.get('type')!r}.",
+                f"Only function and custom tools are supported; got {tool.get('type')!r}.",
                 param=f"tools[{i}]",
             )
-        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
-        function = {"name": tool.get("name"), "description": tool.get("description") or ""}
+        if tool.get("type") == "custom":
+            parameters = CUSTOM_PARAMETERS
+        else:
+            parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+        function = {"name": tool.get("name"), "description": _description(tool)}
         tools.append({"type": "function", "function": {**function, "parameters": parameters}})
     chat = {
         "model": req.model,
@@ -123,6 +140,31 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "response_format": _format(req.text),
     }
     return chat_request(chat)
+
+
+def _description(tool: dict[str, Any]) -> str:
+    text = tool.get("description") or ""
+    spec = tool.get("format") if tool.get("type") == "custom" else None
+    if isinstance(spec, dict) and spec.get("type") == "grammar":
+        grammar = (
+            f"The input follows this {spec.get('syntax', '')} grammar:\n{spec.get('definition')}"
+        )
+        text = f"{text}\n\n{grammar}" if text else grammar
+    return text
+
+
+def _custom_arguments(text: str) -> str:
+    return json.dumps({"input": text}, ensure_ascii=False)
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom call's input from the arguments the model wrote (as they came, if they are
+    not the one string asked for: the model's own words are all there is)."""
+    with contextlib.suppress(ValueError):
+        value = json.loads(arguments)
+        if isinstance(value, dict) and isinstance(value.get("input"), str):
+            return value["input"]
+    return arguments
 
 
 def _named(item: dict[str, Any], key: str, where: str) -> str:
@@ -153,7 +195,7 @@ def _text(content: Any, where: str) -> str:
 def _tool_choice(choice: Any) -> Any:
     if choice is None or choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         return {"type": "function", "function": {"name": choice.get("name")}}
     raise APIError(400, f"Unsupported tool_choice {choice!r}.", param="tool_choice")
 
@@ -175,14 +217,15 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
         chat = await off_loop(to_chat, req)
         run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
-        response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()))
+        custom = {t.get("name") for t in req.tools or [] if t.get("type") == "custom"}
+        response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), custom)
         if req.stream:
             return EventStream(response.stream(run))
         result = await until_disconnected(request, collect(run.events))
         text, calls = run.reply.whole(result.text)
         status = "incomplete" if result.finish_reason == "length" else "completed"
         items = [_message(response.message_id, text or "", status)] if text else []
-        items += [_function_call(call, status) for call in calls]
+        items += [_call_item(call, custom, status) for call in calls]
         usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
         return response.body(items, result.finish_reason, usage)
 
@@ -195,11 +238,16 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict[str, An
     }  # fmt: skip
 
 
-def _function_call(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+def _call_item(call: ToolCall, custom: set[str], status: str = "completed") -> dict[str, Any]:
+    name, arguments, suffix = call.function.name, call.function.arguments, call.id[5:]
+    if name in custom:
+        return {
+            "type": "custom_tool_call", "id": f"ctc_{suffix}", "call_id": call.id, "name": name,
+            "input": _custom_input(arguments), "status": status,
+        }  # fmt: skip
     return {
-        "type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
-        "call_id": call.id, "name": call.function.name, "arguments": call.function.arguments,
-        "status": status,
+        "type": "function_call", "id": f"fc_{suffix}", "call_id": call.id, "name": name,
+        "arguments": arguments, "status": status,
     }  # fmt: skip
 
 
@@ -216,10 +264,11 @@ def _usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
 class _Response:
     """One response object, as created, streamed and completed."""
 
-    def __init__(self, req: ResponsesRequest, rid: str, created: int) -> None:
-        self.req, self.id, self.created = req, rid, created
+    def __init__(self, req: ResponsesRequest, rid: str, created: int, custom: set[str]) -> None:
+        self.req, self.id, self.created, self.custom = req, rid, created, custom
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.sequence = 0
+        self.arguments: dict[int, str] = {}  # custom calls' arguments so far, by output index
 
     def body(self, items: list, finish: str | None, usage: dict | None, status: str = "") -> dict:
         status = status or ("incomplete" if finish == "length" else "completed")
@@ -320,19 +369,20 @@ class _Response:
             if delta.index not in calls:
                 calls[delta.index] = len(items)
                 call_id = delta.id or f"call_{uuid.uuid4().hex[:24]}"
-                item = {
-                    "type": "function_call", "id": "fc_" + call_id.removeprefix("call_"),
-                    "call_id": call_id, "name": delta.function.name if delta.function else "",
-                    "arguments": "", "status": "in_progress",
-                }  # fmt: skip
+                name = delta.function.name if delta.function else ""
+                call = ToolCall(id=call_id, function=FunctionCall(name=name, arguments=""))
+                item = _call_item(call, self.custom, "in_progress")
                 items.append(item)
                 added = self.event(
                     "response.output_item.added", output_index=calls[delta.index], item=dict(item)
                 )
                 out.append(added)
             fragment = delta.function.arguments if delta.function else None
-            if fragment:
-                index = calls[delta.index]
+            index = calls[delta.index]
+            if fragment and items[index]["type"] == "custom_tool_call":
+                # Its input is a string inside the arguments' JSON: sent whole at the end.
+                self.arguments[index] = self.arguments.get(index, "") + fragment
+            elif fragment:
                 items[index]["arguments"] += fragment
                 out.append(
                     self.event(
@@ -362,7 +412,17 @@ class _Response:
         for index in calls.values():
             item = {**items[index], "status": status}
             items[index] = item
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=index, arguments=item["arguments"]))  # fmt: skip
+            if item["type"] == "custom_tool_call":
+                item["input"] = _custom_input(self.arguments.get(index, ""))
+                if item["input"]:
+                    out.append(self.event("response.custom_tool_call_input.delta",
+                                          item_id=item["id"], output_index=index,
+                                          delta=item["input"]))  # fmt: skip
+                out.append(self.event("response.custom_tool_call_input.done", item_id=item["id"],
+                                      output_index=index, input=item["input"]))  # fmt: skip
+            else:
+                out.append(self.event("response.function_call_arguments.done",
+                                      item_id=item["id"], output_index=index,
+                                      arguments=item["arguments"]))  # fmt: skip
             out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out

@@ -18,6 +18,12 @@ WEATHER = {
     "parameters": WEATHER_PARAMETERS,
 }
 INSTRUCTIONS = "You are a terse coding agent. " * 4
+PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+}
 
 
 def client_of(live) -> OpenAI:
@@ -112,7 +118,8 @@ def test_a_function_call_streams_its_arguments(tools_live):
     ("body", "param"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0]"),
+        ({"tools": [{"type": "shell_v9", "name": "sh"}]}, "tools[0]"),
+        ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "p"}]}, "input[0].input"),
         (
             {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
             "input[0].call_id",
@@ -146,3 +153,51 @@ def test_codex_shaped_input_is_taken_as_a_template_wants_it(tools_live):
         temperature=0,
     )
     assert r.status == "incomplete" and r.output[0].status == "incomplete"
+
+
+def test_a_custom_tool_call_round_trip_reuses_the_cache(tools_live, tools_uncached):
+    """Codex's free-form tools: the call comes back as a custom_tool_call whose input is a
+    string, and goes back in the next turn with its custom_tool_call_output."""
+
+    def loop(live):
+        client = client_of(live)
+        items: list = [{"role": "user", "content": "Patch main.py."}]
+        replies = []
+        for _ in range(3):
+            r = client.responses.create(
+                model="tiny", instructions=INSTRUCTIONS, input=items, tools=[WEATHER, PATCH],
+                tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=600,
+                temperature=0,
+            )  # fmt: skip
+            (call,) = r.output
+            assert call.type == "custom_tool_call" and call.name == "apply_patch"
+            assert isinstance(call.input, str) and call.call_id.startswith("call_")
+            replies.append(r)
+            items += [
+                call,  # the SDK's own item, sent back as it came
+                {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done."},
+            ]
+        return replies
+
+    cached, plain = loop(tools_live), loop(tools_uncached)
+    assert [r.output[0].input for r in cached] == [r.output[0].input for r in plain]
+    for earlier, later in zip(cached, cached[1:], strict=False):
+        seen = earlier.usage.input_tokens + earlier.usage.output_tokens - 1
+        assert later.usage.input_tokens_details.cached_tokens >= seen
+
+
+def test_a_custom_tool_call_streams_its_input(tools_live):
+    kwargs = dict(
+        model="tiny", input="Patch it.", tools=[PATCH], max_output_tokens=600, temperature=0,
+        tool_choice={"type": "custom", "name": "apply_patch"},
+    )  # fmt: skip
+    client = client_of(tools_live)
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    (item,) = [e.item for e in events if e.type == "response.output_item.done"]
+    whole = client.responses.create(**kwargs).output[0]
+    assert item.type == whole.type == "custom_tool_call"
+    assert done.input == item.input == whole.input
