@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-max-sequences", type=int, help="cached sequences at most")
     serve.add_argument("--cache-max-bytes", help="cache byte budget, e.g. 2GiB")
     serve.add_argument("--no-cache", action="store_true", default=None, help="serve uncached")
+    serve.add_argument("--cache-dir", help="a folder for the cache's disk tier (kept on restart)")
+    serve.add_argument("--cache-disk-bytes", help="the disk tier's byte budget (default 16GiB)")
     serve.add_argument("--context-length", type=int, help="override the model's context")
     serve.add_argument(
         "--temp", dest="temperature", type=float, help="temperature when a request sends none"
@@ -179,6 +181,15 @@ def serve(args: argparse.Namespace) -> int:
             settings.cache_max_sequences,
             describe_size(settings.cache_max_bytes),
         )
+        disk = engine.cache.disk
+        if disk is not None:
+            log.info(
+                "disk tier: %s, %s of %s (%d files restored)",
+                disk.folder,
+                describe_size(disk.nbytes),
+                describe_size(disk.max_bytes),
+                disk.stats.files,
+            )
     engine.start()
     try:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
@@ -187,6 +198,8 @@ def serve(args: argparse.Namespace) -> int:
         _graceful_server_class()(config, engine, settings.shutdown_grace).run()
     finally:
         engine.stop()
+        if engine.cache is not None and engine.cache.disk is not None:
+            engine.cache.disk.close(settings.shutdown_grace)  # the writes still queued
     log.info("stopped")
     logging.shutdown()
     sys.stdout.flush()

@@ -27,6 +27,8 @@ class Settings:
     cache_max_sequences: int = 64
     cache_max_bytes: int | None = None
     no_cache: bool = False
+    cache_dir: str | None = None  # a disk tier under the cache, kept across restarts
+    cache_disk_bytes: int = 16 * 1024**3  # its byte budget
     context_length: int | None = None  # None: the model's own
     max_tokens_cap: int = 32768
     default_max_tokens: int = 2048
@@ -76,7 +78,7 @@ def parse_size(text: str | int) -> int:
 def _coerce(name: str, value: Any) -> Any:
     if value is None:
         return None
-    if name in ("cache_max_bytes", "max_body_bytes"):
+    if name in ("cache_max_bytes", "cache_disk_bytes", "max_body_bytes"):
         return parse_size(value)
     kind = {f.name: f.type for f in fields(Settings)}[name]
     if kind.startswith("list"):

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -99,7 +99,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
+def start(
+    kind: str, model: str, max_sequences: int, max_bytes: int, extra: Sequence[str] = ()
+) -> Server:
     port = free_port()
     if kind == "peer":
         cmd = [
@@ -138,6 +140,7 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
         ]
         if kind == "ours-nocache":
             cmd.append("--no-cache")
+        cmd += extra
     # "ours@PATH": our server from another checkout (say, the previous commit), run from
     # its folder so that `-m app` imports that tree's code.
     cwd = kind.partition("@")[2] or None
@@ -165,9 +168,11 @@ def start(kind: str, model: str, max_sequences: int, max_bytes: int) -> Server:
 
 
 @contextmanager
-def running(kind: str, model: str, max_sequences: int, max_bytes: int) -> Iterator[Server]:
+def running(
+    kind: str, model: str, max_sequences: int, max_bytes: int, extra: Sequence[str] = ()
+) -> Iterator[Server]:
     """A started server, stopped (peak RSS and cache bytes read) however the block ends."""
-    server = start(kind, model, max_sequences, max_bytes)
+    server = start(kind, model, max_sequences, max_bytes, extra)
     try:
         yield server
     finally:

@@ -1,8 +1,17 @@
 """A shared, thread-safe prompt cache for mlx-lm models (no web framework inside)."""
 
 from .compat import LRUPromptCache
+from .disk import DiskTier
 from .joined import fresh_cache
 from .manager import CacheStats, Fetched, PromptCache
 from .radix import PackedTokens
 
-__all__ = ["CacheStats", "Fetched", "LRUPromptCache", "PackedTokens", "PromptCache", "fresh_cache"]
+__all__ = [
+    "CacheStats",
+    "DiskTier",
+    "Fetched",
+    "LRUPromptCache",
+    "PackedTokens",
+    "PromptCache",
+    "fresh_cache",
+]

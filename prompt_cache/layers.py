@@ -18,6 +18,7 @@ given away, which is what keeps stored state safe from callers.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,19 @@ def layout_of(cache: list[Any]) -> Layout:
             raise ValueError("layers of one cache disagree on their token count")
         return Layout(True, tuple(kinds))
     return Layout(False, tuple((_kind(c),) for c in cache))
+
+
+_KINDS = {cls.__name__: cls for cls in (KVCache, QuantizedKVCache)}
+
+
+def layout_json(layout: Layout) -> str:
+    """A sliceable layout as text, for the disk tier's files."""
+    return json.dumps([[cls.__name__, group, bits] for cls, group, bits in layout.kinds])
+
+
+def layout_from_json(text: str) -> Layout:
+    kinds = tuple((_KINDS[name], group, bits) for name, group, bits in json.loads(text))
+    return Layout(True, kinds)
 
 
 def _kind(layer: Any) -> type:

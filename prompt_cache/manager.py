@@ -34,6 +34,10 @@ the state of a sequence. Rules:
   capacity: stored KV is cut to its tokens and copied off the caller's buffers.
 - One lock guards the trees, the LRU order and the counters. Copies (joining
   segments on fetch, cutting the new segment on insert) run outside it.
+- With a disk tier (`prompt_cache.disk`, prefix-sharing mode only), every segment
+  an insert attaches is queued for writing behind it, and a fetch first loads
+  into the RAM tree what the disk holds of its tokens past the RAM tree's match
+  (at least `MIN_DISK_LOAD` tokens), as a segment an insert would have attached.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from . import layers
+from .disk import DiskTier
 from .eviction import LRUOrder
 from .layers import Layout
 from .radix import (
@@ -63,6 +68,7 @@ from .radix import (
 Kind = Literal["exact", "shorter", "longer", "miss"]
 
 SHORTEN_COPY = 4  # most bytes copied per byte freed when cutting a sequence's end
+MIN_DISK_LOAD = 16  # fewer tokens past the RAM tree are recomputed, not read from disk
 
 
 @dataclass
@@ -87,6 +93,8 @@ class CacheStats:
     rejected: int = 0
     evictions: int = 0
     shortened: int = 0  # sequences whose end was cut off to make room, instead of evicted
+    disk_hits: int = 0  # fetches that loaded part of their prompt's KV from the disk tier
+    tokens_from_disk: int = 0
     sequences: int = 0
     bytes: int = 0
 
@@ -139,9 +147,12 @@ _NO_LIMIT = 1 << 62
 class PromptCache:
     """A thread-safe prompt cache shared by all requests, keyed by model and tokens."""
 
-    def __init__(self, max_sequences: int = 64, max_bytes: int | None = None) -> None:
+    def __init__(
+        self, max_sequences: int = 64, max_bytes: int | None = None, disk: DiskTier | None = None
+    ) -> None:
         if max_sequences < 0 or (max_bytes is not None and max_bytes < 0):
             raise ValueError("cache limits must be >= 0")
+        self.disk = disk
         self.max_sequences = max_sequences
         self.max_bytes = _NO_LIMIT if max_bytes is None else max_bytes
         self._lock = threading.Lock()
@@ -187,8 +198,14 @@ class PromptCache:
     # ----------------------------------------------------------------- fetch
 
     def fetch(self, model: Hashable, tokens: Tokens) -> Fetched:
-        """The best reusable state for `tokens`; the returned cache is the caller's."""
+        """The best reusable state for `tokens`; the returned cache is the caller's.
+
+        With a disk tier, what it holds of the prompt past the RAM tree is loaded into
+        the RAM tree first.
+        """
         key = _key(tokens)
+        if self.disk is not None:
+            self._load_from_disk(model, key)
         with self._lock:
             stats = self._stats.setdefault(model, CacheStats())
             stats.lookups += 1
@@ -229,6 +246,39 @@ class PromptCache:
             return None
         w = walk(tree.root, key)
         return _plan_segments(w, n) if tree.layout.sliceable else _plan_snapshot(w, n)
+
+    # ------------------------------------------------------------------ disk
+
+    def _load_from_disk(self, model: Hashable, key: bytes) -> None:
+        n = len(key) // TOKEN
+        with self._lock:
+            tree = self._trees.get(model)
+            have = walk(tree.root, key).length if tree is not None else 0
+        end = min(self.disk.match(model, key), n)
+        if end - have < MIN_DISK_LOAD:
+            return
+        segment = self.disk.load(model, key, have, end)
+        if segment is None:
+            return
+        layout = tree.layout if tree is not None else layers.layout_from_json(self.disk.layout)
+        prep = _Prepared(start=have, segment=segment)
+        key = key[: end * TOKEN]
+        with self._lock:
+            tree = self._trees.get(model)
+            if tree is None:
+                stats = self._stats.setdefault(model, CacheStats())
+                tree = self._trees[model] = _Tree(layout, stats)
+            w = walk(tree.root, key)
+            if tree.layout != layout or not have <= w.length < end:
+                return  # the RAM tree changed meanwhile: what was loaded no longer fits
+            anchor = self._anchor(tree, w, end, prep)
+            self._pin([anchor])
+            try:
+                if self._attach_segment(tree, anchor, w.length, key, prep):
+                    tree.stats.disk_hits += 1
+                    tree.stats.tokens_from_disk += end - w.length
+            finally:
+                self._unpin(tree, [anchor])
 
     # ---------------------------------------------------------------- insert
 
@@ -288,6 +338,10 @@ class PromptCache:
                 self._unpin(tree, [anchor])
             if not stored:
                 tree.stats.rejected += 1
+            elif self.disk is not None and layout.sliceable and w2.length < n:
+                # Behind the RAM tier: the disk writes what it lacks of the path.
+                seg = walk(tree.root, key).nodes[-1]
+                self.disk.put(model, key, seg.start, seg.segment, layers.layout_json(layout))
             return stored
 
     def _anchor(self, tree: _Tree, w: Walk, n: int, prep: _Prepared) -> Node:
@@ -368,10 +422,12 @@ class PromptCache:
         return evicted
 
     def clear(self, model: Hashable | None = None) -> None:
-        """Drop every cached sequence of `model` (of all models when None).
+        """Drop every cached sequence of `model` (of all models when None), on disk too.
 
         State a running fetch is using is dropped when that fetch ends.
         """
+        if self.disk is not None:
+            self.disk.clear(model)
         with self._lock:
             for key in [model] if model is not None else list(self._trees):
                 tree = self._trees.get(key)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import uvicorn
 
 from app.engine import Engine
@@ -49,6 +53,8 @@ class LiveServer:
         self._server.should_exit = True
         self._thread.join(10)
         self.engine.stop()
+        if self.engine.cache is not None and self.engine.cache.disk is not None:
+            self.engine.cache.disk.close(10)
 
 
 @contextmanager
@@ -59,3 +65,23 @@ def serving(model_dir: str, **settings) -> Iterator[LiveServer]:
         yield server
     finally:
         server.stop()
+
+
+def start_server(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python -m app serve` on the model, as a user starts it; returns once it answers."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--model", str(model_dir),
+         "--port", str(port), "--served-model-name", "tiny", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+        assert time.monotonic() < deadline

@@ -14,8 +14,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from prompt_cache import PromptCache
+from prompt_cache.disk import DiskTier
 
 from ..engine import Engine
+from ..models.fingerprint import kv_fingerprint
 from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
@@ -152,13 +154,19 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or _context_length(model)
+    model_id = settings.served_model_name or _model_id(model_path)
     cache = None
     if not settings.no_cache:
-        cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes)
+        disk = None
+        if settings.cache_dir:
+            root = Path(settings.cache_dir).expanduser()
+            fingerprint = kv_fingerprint(folder, model_path, model)
+            disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
+        cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk)
     return Engine(
         model,
         tokenizer,
-        model_id=settings.served_model_name or _model_id(model_path),
+        model_id=model_id,
         cache=cache,
         context_length=context,
         completion_batch_size=settings.completion_batch_size,

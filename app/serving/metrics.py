@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from prompt_cache.disk import DiskStats
+
 if TYPE_CHECKING:
     from ..engine import Engine
 
@@ -68,6 +70,9 @@ class _EngineCollector:
         reuse = GaugeMetricFamily(
             "mlx_cache_reuse_ratio", "Cached tokens / prompt tokens looked up", labels=labels
         )
+        disk_hits = CounterMetricFamily(
+            "mlx_cache_disk_hits", "Lookups that loaded KV from the disk tier", labels=labels
+        )
         for key, stats in cache.stats_by_model().items():
             names = _labels(key)
             seqs.add_metric(names, stats.sequences)
@@ -75,9 +80,33 @@ class _EngineCollector:
             evictions.add_metric(names, stats.evictions)
             shortened.add_metric(names, stats.shortened)
             reuse.add_metric(names, stats.reuse)
+            disk_hits.add_metric(names, stats.disk_hits)
         yield from (seqs, nbytes, evictions, shortened, reuse)
         if cache.byte_budget is not None:
             yield _gauge("mlx_cache_budget_bytes", "The cache's byte budget", cache.byte_budget)
+        if cache.disk is not None:
+            yield disk_hits
+            yield from _disk(cache.disk.stats, cache.disk.max_bytes)
+
+
+def _disk(s: DiskStats, budget: int) -> Iterator[Metric]:
+    yield _gauge("mlx_cache_disk_bytes", "Bytes of the disk tier's files", s.bytes)
+    yield _gauge("mlx_cache_disk_budget_bytes", "The disk tier's byte budget", budget)
+    yield _gauge("mlx_cache_disk_files", "Files in the disk tier", s.files)
+    yield _gauge("mlx_cache_disk_pending_writes", "Segments queued for writing", s.pending)
+    for name, doc, value in (
+        ("loaded_tokens", "Tokens loaded from disk", s.tokens_loaded),
+        ("loaded_bytes", "Bytes read from disk", s.bytes_loaded),
+        ("load_seconds", "Time spent loading from disk", s.load_seconds),
+        ("written_bytes", "Bytes written to disk", s.bytes_written),
+        ("write_seconds", "Time spent writing to disk", s.write_seconds),
+        ("dropped_files", "Files found missing, truncated or corrupt, and removed", s.dropped),
+        ("evicted_files", "Files removed to stay within the disk budget", s.evicted),
+        ("skipped_writes", "Segments not written: no room, a gap or an I/O error", s.skipped),
+    ):
+        counter = CounterMetricFamily(f"mlx_cache_disk_{name}", doc)
+        counter.add_metric([], value)
+        yield counter
 
 
 def _labels(key: Any) -> list[str]:

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.helpers import wait_until
-from tests.live import free_port, serving
+from tests.live import serving, start_server
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 NO_END = {"logit_bias": {"99": -100}}  # <|im_end|> of the tiny tokenizer: generate to the limit
@@ -243,25 +239,6 @@ def test_request_timeout(tiny_model_dir):
         assert lines[-1] == "data: [DONE]"
         assert json.loads(lines[-2][6:])["error"]["type"] == "timeout_error"
         assert post(live.url).status_code == 200
-
-
-def start_server(tiny_model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--served-model-name", "tiny", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-        assert time.monotonic() < deadline
 
 
 def test_streams_still_running_when_the_grace_period_ends_get_an_error_and_done(

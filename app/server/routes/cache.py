@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter
@@ -35,6 +36,28 @@ class ModelCacheStats(BaseModel):
     rejected: int
     evictions: int
     shortened: int  # sequences cut back at their end to make room, instead of evicted
+    disk_hits: int  # lookups that loaded part of their prompt's KV from the disk tier
+    tokens_from_disk: int
+
+
+class DiskReport(BaseModel):
+    """The disk tier: its files, and what was read and written (bytes, seconds)."""
+
+    folder: str
+    max_bytes: int
+    bytes: int
+    files: int
+    hits: int
+    tokens_loaded: int
+    bytes_loaded: int
+    load_seconds: float
+    writes: int
+    bytes_written: int
+    write_seconds: float
+    pending: int
+    dropped: int  # files found missing, truncated or corrupt, and removed
+    evicted: int
+    skipped: int  # writes not made: no room, a gap in the path, or an I/O error
 
 
 class CacheReport(BaseModel):
@@ -44,6 +67,7 @@ class CacheReport(BaseModel):
     sequences: int = 0
     bytes: int = 0
     models: list[ModelCacheStats] = []
+    disk: DiskReport | None = None
 
 
 class Cleared(BaseModel):
@@ -78,8 +102,14 @@ async def cache_stats(state: State) -> CacheReport:
                 rejected=s.rejected,
                 evictions=s.evictions,
                 shortened=s.shortened,
+                disk_hits=s.disk_hits,
+                tokens_from_disk=s.tokens_from_disk,
             )
         )
+    disk = None
+    if cache.disk is not None:
+        d = cache.disk
+        disk = DiskReport(folder=str(d.folder), max_bytes=d.max_bytes, **asdict(d.stats))
     return CacheReport(
         enabled=True,
         max_sequences=cache.max_sequences,
@@ -87,6 +117,7 @@ async def cache_stats(state: State) -> CacheReport:
         sequences=len(cache),
         bytes=cache.nbytes,
         models=models,
+        disk=disk,
     )
 
 

@@ -1,0 +1,51 @@
+"""What makes stored KV valid, as one name: the disk tier's files live under it.
+
+KV computed by one model is garbage to another, and even to the same weights in
+another dtype or under another cache layout. The fingerprint covers the weights
+(every file's name and size, each safetensors header, and samples of its data:
+a fine-tune changes them all), the dtype the weights are served in, the layer
+cache types the model builds, mlx-lm's version and the disk format's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx_lm
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from prompt_cache.disk import FORMAT
+
+SAMPLES = 16  # chunks of each weights file hashed, spread evenly
+SAMPLE_BYTES = 64 * 1024
+
+
+def kv_fingerprint(folder: Path | None, model_id: str, model: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
+    layers = [type(c).__name__ for c in make_prompt_cache(model)]
+    facts = {"format": FORMAT, "mlx_lm": mlx_lm.__version__, "dtypes": dtypes, "layers": layers}
+    h.update(json.dumps(facts, sort_keys=True).encode())
+    if folder is None:  # nothing on disk to read: the name has to do
+        h.update(model_id.encode())
+        return h.hexdigest()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".safetensors", ".json", ".gguf") and path.is_file():
+            h.update(f"{path.name}:{path.stat().st_size}".encode())
+            _sample(path, h)
+    return h.hexdigest()
+
+
+def _sample(path: Path, h: Any) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size <= SAMPLES * SAMPLE_BYTES:
+            h.update(f.read())
+            return
+        for i in range(SAMPLES):
+            f.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+            h.update(f.read(SAMPLE_BYTES))

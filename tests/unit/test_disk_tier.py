@@ -1,0 +1,134 @@
+"""The disk tier under PromptCache, on real mlx-lm layer caches with known contents."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from prompt_cache import PromptCache
+from prompt_cache.disk import HEADER_SLACK, DiskTier
+from tests.fakes import BYTES_PER_TOKEN, kv_cache, same_state
+
+SYSTEM = list(range(100, 400))
+
+
+def tiered(tmp_path, ram_bytes=None, disk_bytes=1 << 30, fingerprint="fp"):
+    return PromptCache(64, ram_bytes, disk=DiskTier(tmp_path, fingerprint, disk_bytes))
+
+
+def test_a_sequence_evicted_from_ram_comes_back_from_disk(tmp_path):
+    cache = tiered(tmp_path, ram_bytes=350 * BYTES_PER_TOKEN)
+    a, b = SYSTEM + [1, 2, 3], list(range(1000, 1300))
+    cache.insert("m", a, kv_cache(a))
+    cache.disk.flush()
+    cache.insert("m", b, kv_cache(b))  # a loses RAM: both do not fit
+    cache.disk.flush()
+    _, in_ram = cache.peek("m", a + [9])
+    assert in_ram < len(a) - 16
+    found = cache.fetch("m", a + [9])
+    assert found.n_cached == len(a) and same_state(found.cache, kv_cache(a))
+    stats = cache.stats("m")
+    assert stats.disk_hits == 1 and stats.tokens_from_disk == len(a) - in_ram
+
+
+def test_a_shared_prefix_is_written_once(tmp_path):
+    cache = tiered(tmp_path)
+    for tail in ([1, 2], [3, 4], [5, 6]):
+        cache.insert("m", SYSTEM + tail, kv_cache(SYSTEM + tail))
+    cache.disk.flush()
+    written = cache.disk.stats.bytes_written
+    data = (len(SYSTEM) + 6) * BYTES_PER_TOKEN
+    assert data <= written <= data + 4 * HEADER_SLACK
+    assert cache.disk.nbytes == written
+
+
+def test_restart_restores_the_index_and_branches(tmp_path):
+    cache = tiered(tmp_path)
+    turn1 = SYSTEM + [1, 2, 3]
+    turn2 = turn1 + [4, 5, 6, 7]
+    other = SYSTEM[:150] + [8] * 20  # branches inside the first file
+    for seq in (turn1, turn2, other):
+        cache.insert("m", seq, kv_cache(seq))
+    cache.disk.close()
+    again = tiered(tmp_path)
+    for seq in (turn2, other):
+        found = again.fetch("m", seq + [0])
+        assert found.n_cached == len(seq) and same_state(found.cache, kv_cache(seq))
+    assert again.stats("m").disk_hits == 2
+
+
+def test_another_fingerprint_or_namespace_never_sees_the_files(tmp_path):
+    cache = tiered(tmp_path)
+    cache.insert("m", SYSTEM, kv_cache(SYSTEM))
+    cache.insert(("m", "tenant-a"), SYSTEM, kv_cache(SYSTEM))
+    cache.disk.close()
+    assert tiered(tmp_path, fingerprint="other").fetch("m", SYSTEM).kind == "miss"
+    again = tiered(tmp_path)
+    assert again.fetch(("m", "tenant-b"), SYSTEM).kind == "miss"
+    assert again.fetch(("m", "tenant-a"), SYSTEM).n_cached == len(SYSTEM) - 1
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete"])
+def test_a_damaged_file_is_dropped_and_recomputed_never_served(tmp_path, damage):
+    cache = tiered(tmp_path)
+    seq = SYSTEM + [1, 2]
+    cache.insert("m", seq, kv_cache(seq))
+    cache.disk.close()
+    (path,) = [p for p in cache.disk.folder.iterdir() if p.suffix == ".safetensors"]
+    if damage == "corrupt":
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF  # one value's byte: the file still parses
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-100])
+    else:
+        path.unlink()
+    again = tiered(tmp_path)
+    assert again.fetch("m", seq).kind == "miss"
+    assert again.disk.stats.dropped == 1 and again.disk.nbytes == 0
+    assert not [p for p in again.disk.folder.iterdir() if p.suffix == ".safetensors"]
+    again.insert("m", seq, kv_cache(seq))  # recomputed, stored again
+    again.disk.flush()
+    assert again.disk.stats.writes == 1
+
+
+def test_the_disk_budget_is_never_exceeded(tmp_path):
+    one = (len(SYSTEM) + 2) * BYTES_PER_TOKEN
+    cache = tiered(tmp_path, disk_bytes=2 * one + 4096)  # two files and their headers
+    seqs = [[t] * 2 + SYSTEM for t in range(5)]  # nothing shared
+    for seq in seqs:
+        cache.insert("m", seq, kv_cache(seq))
+        cache.disk.flush()
+        assert cache.disk.nbytes <= 2 * one + 4096
+    on_disk = sum(
+        p.stat().st_size for p in cache.disk.folder.iterdir() if p.suffix == ".safetensors"
+    )
+    assert on_disk == cache.disk.nbytes and cache.disk.stats.evicted == 3
+    cache.clear("m")  # RAM and disk: the oldest on disk went first
+    assert cache.disk.nbytes == 0
+
+
+def test_files_are_the_owners_alone(tmp_path):
+    cache = tiered(tmp_path)
+    cache.insert("m", SYSTEM, kv_cache(SYSTEM))
+    cache.disk.flush()
+    assert stat.S_IMODE(os.stat(cache.disk.folder).st_mode) == 0o700
+    for path in cache.disk.folder.iterdir():
+        if path.suffix == ".safetensors":
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_concurrent_fetches_of_one_disk_segment_each_get_it_whole(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = tiered(tmp_path)
+    seq = SYSTEM + [1, 2, 3]
+    cache.insert("m", seq, kv_cache(seq))
+    cache.disk.close()
+    again = tiered(tmp_path)
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(lambda _: again.fetch("m", seq + [7]), range(4)))
+    assert all(f.n_cached == len(seq) and same_state(f.cache, kv_cache(seq)) for f in found)
+    assert again.stats("m").sequences == 1 and again.stats("m").bytes == len(seq) * BYTES_PER_TOKEN
