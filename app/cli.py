@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from signal import SIGINT, SIGTERM
@@ -36,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-cache", action="store_true", default=None, help="serve uncached")
     serve.add_argument("--cache-dir", help="a folder for the cache's disk tier (kept on restart)")
     serve.add_argument("--cache-disk-bytes", help="the disk tier's byte budget (default 16GiB)")
+    serve.add_argument("--warm-prompts", help="a JSON file of prompts to prefill at start")
     serve.add_argument("--context-length", type=int, help="override the model's context")
     serve.add_argument(
         "--temp", dest="temperature", type=float, help="temperature when a request sends none"
@@ -135,7 +137,9 @@ def serve(args: argparse.Namespace) -> int:
     from .runtime.blas import describe as describe_blas
     from .runtime.memory import limit_buffer_pool, unmap_large_blocks
     from .server.app import build_engine, create_app, weights_dtype
+    from .server.auth import tenant_of
     from .server.connections import uvicorn_config
+    from .serving.warm import load_warm_prompts, warm
     from .settings import describe_size, load_settings
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -155,6 +159,13 @@ def serve(args: argparse.Namespace) -> int:
         try:
             model_path = str(default_model_dir(progress=log.info))
         except FileNotFoundError as e:
+            print(f"mlx-cache-server: {e}", file=sys.stderr)
+            return 2
+    warm_items = []
+    if settings.warm_prompts and not settings.no_cache:
+        try:
+            warm_items = load_warm_prompts(Path(settings.warm_prompts).expanduser())
+        except ValueError as e:
             print(f"mlx-cache-server: {e}", file=sys.stderr)
             return 2
     unmap_large_blocks()  # before the model's buffers are allocated
@@ -191,6 +202,9 @@ def serve(args: argparse.Namespace) -> int:
                 disk.stats.files,
             )
     engine.start()
+    if warm_items:  # behind the server's start: requests meanwhile queue with them
+        namespaces = [tenant_of(k) for k in settings.api_keys] or [None]
+        threading.Thread(target=warm, args=(engine, warm_items, namespaces), daemon=True).start()
     try:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
         # then cancels them (which cancels their generations); the engine stops after.

@@ -29,6 +29,7 @@ class Settings:
     no_cache: bool = False
     cache_dir: str | None = None  # a disk tier under the cache, kept across restarts
     cache_disk_bytes: int = 16 * 1024**3  # its byte budget
+    warm_prompts: str | None = None  # a JSON file of prompts prefilled at start
     context_length: int | None = None  # None: the model's own
     max_tokens_cap: int = 32768
     default_max_tokens: int = 2048

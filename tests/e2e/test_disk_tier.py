@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 
 import httpx
 from openai import OpenAI
 
+from tests.helpers import wait_until
 from tests.live import serving, start_server
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 6}
@@ -81,3 +85,37 @@ def test_every_follow_up_hits_with_ram_far_smaller_than_the_conversations(
     assert report["disk"]["bytes"] > report["bytes"]
     for messages in chats:  # the same replies as a server with no cache at all
         assert chat(uncached_server.url, messages[:-1])[0] == messages[-1]["content"]
+
+
+def test_warm_prompts_are_cached_before_the_first_request(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    warm = tmp_path / "warm.json"
+    warm.write_text(json.dumps([{"messages": [SYSTEM]}, "Some plain text."]))
+    shared = AutoTokenizer.from_pretrained(str(tiny_model_dir)).apply_chat_template([SYSTEM])
+    flags = ("--warm-prompts", str(warm), "--api-key", "k", "--admin-key", "a")
+    proc, url = start_server(tiny_model_dir, *flags)
+    try:
+
+        def inserts() -> int:
+            report = httpx.get(url + "/v1/cache", headers={"authorization": "Bearer a"}).json()
+            return sum(m["inserts"] for m in report["models"])
+
+        wait_until(lambda: inserts() == 2)  # both prompts, in the one tenant's namespace
+        client = OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        ask = [SYSTEM, {"role": "user", "content": "Hi."}]
+        r = client.chat.completions.create(model="tiny", messages=ask, max_tokens=2)
+        assert r.usage.prompt_tokens_details.cached_tokens >= len(shared)
+    finally:
+        proc.kill()
+
+
+def test_an_unreadable_warm_prompts_file_stops_the_start_with_a_message(tiny_model_dir, tmp_path):
+    bad = tmp_path / "warm.json"
+    bad.write_text('{"not": "a list"}')
+    done = subprocess.run(
+        [sys.executable, "-m", "app", "serve", "--model", str(tiny_model_dir),
+         "--warm-prompts", str(bad)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "expected a JSON list" in done.stderr
