@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from multiturn import (
@@ -54,9 +55,15 @@ async def drive(server: Server, model: str, workloads: Workloads, shape: ChatSha
 
 
 def run(
-    kind: str, model: str, budget: int, workloads: Workloads, shape: ChatShape, tokenizer
+    kind: str,
+    model: str,
+    budget: int,
+    workloads: Workloads,
+    shape: ChatShape,
+    tokenizer,
+    extra: Sequence[str] = (),
 ) -> dict:
-    with running(kind, model, 64, budget) as server:
+    with running(kind, model, 64, budget, extra) as server:
         asyncio.run(drive(server, "bench" if kind != "peer" else model, workloads, shape))
     add_ceilings(server.calls, tokenizer)
     return summarize({kind: server})[NAME][kind] | {

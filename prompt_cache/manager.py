@@ -42,6 +42,7 @@ the state of a sequence. Rules:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -64,6 +65,8 @@ from .radix import (
     split,
     walk,
 )
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["exact", "shorter", "longer", "miss"]
 
@@ -205,7 +208,7 @@ class PromptCache:
         """
         key = _key(tokens)
         if self.disk is not None:
-            self._load_from_disk(model, key)
+            self._load_guarded(model, key)
         with self._lock:
             stats = self._stats.setdefault(model, CacheStats())
             stats.lookups += 1
@@ -249,17 +252,32 @@ class PromptCache:
 
     # ------------------------------------------------------------------ disk
 
-    def _load_from_disk(self, model: Hashable, key: bytes) -> None:
+    def load_from_disk(self, model: Hashable, tokens: Tokens) -> int:
+        """Load into the RAM tree what the disk tier holds of `tokens` past the RAM tree's
+        match; the tokens loaded. A server calls it off its engine's thread before the
+        fetch (which then finds them in RAM), so reading a conversation back from disk
+        holds up no running generation. Never raises: the disk tier is only a help.
+        """
+        return self._load_guarded(model, _key(tokens)) if self.disk is not None else 0
+
+    def _load_guarded(self, model: Hashable, key: bytes) -> int:
+        try:
+            return self._load_from_disk(model, key)
+        except Exception:
+            log.exception("loading a prompt's KV from the disk tier failed")
+            return 0
+
+    def _load_from_disk(self, model: Hashable, key: bytes) -> int:
         n = len(key) // TOKEN
         with self._lock:
             tree = self._trees.get(model)
             have = walk(tree.root, key).length if tree is not None else 0
         end = min(self.disk.match(model, key), n)
         if end - have < MIN_DISK_LOAD:
-            return
+            return 0
         segment = self.disk.load(model, key, have, end)
         if segment is None:
-            return
+            return 0
         layout = tree.layout if tree is not None else layers.layout_from_json(self.disk.layout)
         prep = _Prepared(start=have, segment=segment)
         key = key[: end * TOKEN]
@@ -270,13 +288,15 @@ class PromptCache:
                 tree = self._trees[model] = _Tree(layout, stats)
             w = walk(tree.root, key)
             if tree.layout != layout or not have <= w.length < end:
-                return  # the RAM tree changed meanwhile: what was loaded no longer fits
+                return 0  # the RAM tree changed meanwhile: what was loaded no longer fits
             anchor = self._anchor(tree, w, end, prep)
             self._pin([anchor])
             try:
-                if self._attach_segment(tree, anchor, w.length, key, prep):
-                    tree.stats.disk_hits += 1
-                    tree.stats.tokens_from_disk += end - w.length
+                if not self._attach_segment(tree, anchor, w.length, key, prep):
+                    return 0
+                tree.stats.disk_hits += 1
+                tree.stats.tokens_from_disk += end - w.length
+                return end - w.length
             finally:
                 self._unpin(tree, [anchor])
 

@@ -143,6 +143,10 @@ class Engine:
             except RuntimeError:  # the loop is gone; nobody is listening
                 pass
 
+        if self.cache is not None and self.cache.disk is not None:
+            # Here, not in the engine's fetch: reading a conversation back from disk
+            # holds up no running generation.
+            await asyncio.to_thread(self.cache.load_from_disk, self.cache_key(namespace), tokens)
         request = self.submit(tokens, params, emit, namespace)
         try:
             while True:

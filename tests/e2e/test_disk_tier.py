@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 from openai import OpenAI
@@ -67,6 +68,14 @@ def test_every_follow_up_hits_with_ram_far_smaller_than_the_conversations(
         str(tiny_model_dir), served_model_name="tiny", cache_max_bytes=200_000,
         cache_dir=str(tmp_path),
     ) as live:  # fmt: skip
+        disk, threads = live.engine.cache.disk, []
+        load = disk.load
+
+        def spy(*args):
+            threads.append(threading.current_thread().name)
+            return load(*args)
+
+        disk.load = spy
         chats = [
             [{"role": "system", "content": f"Chat {i}. " + SYSTEM["content"]}] for i in range(4)
         ]
@@ -82,6 +91,8 @@ def test_every_follow_up_hits_with_ram_far_smaller_than_the_conversations(
         stats = live.engine.cache.stats()
         report = httpx.get(live.url + "/v1/cache").json()
     assert stats.disk_hits >= 8 and stats.bytes <= 200_000
+    # Read back off the engine's thread: the running generations never wait on the disk.
+    assert threads and "mlx-engine" not in threads
     assert report["disk"]["bytes"] > report["bytes"]
     for messages in chats:  # the same replies as a server with no cache at all
         assert chat(uncached_server.url, messages[:-1])[0] == messages[-1]["content"]

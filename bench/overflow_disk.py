@@ -1,0 +1,67 @@
+"""Workload 3 with RAM at a quarter of what it needs and the disk tier on.
+
+Round-robin conversations (overflow_sweep.py's workload 3) with the cache's RAM
+budget at `--factor` (0.25) of what they need with the shared system prompt stored
+once: each conversation is evicted from RAM before its next turn. Three servers,
+one after the other, the same requests:
+
+  ours-disk  that RAM budget, with --cache-dir: evicted turns come back from disk
+  ours-ram   a budget that holds everything (1.5x): the all-RAM reference
+  peer       mlx_lm.server at the same RAM budget as ours-disk
+
+Reported per server: turn hits (follow-ups whose whole history was reused), reuse,
+warm TTFT median; and ours-disk's warm TTFT over ours-ram's.
+
+    python bench/overflow_disk.py [--factor 0.25] [--conversations 8] [--turns 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from multiturn import RESULTS, ChatShape, Workloads, chat_sizes, kv_bytes_per_token
+from overflow_sweep import NAME, run
+
+from app.models.default_model import default_model_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--factor", type=float, default=0.25)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--system-words", type=int, default=150)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=RESULTS / "overflow_disk.json")
+    args = ap.parse_args()
+    model = str(default_model_dir())
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model))
+    workloads = Workloads(quick=False)
+    workloads.max_tokens = args.max_tokens
+    shape = ChatShape(NAME, NAME, args.conversations, args.turns, False, args.system_words, 13)
+    shared, own = chat_sizes(shape, args.max_tokens, tokenizer)
+    need = (shared + args.conversations * own) * kv_bytes_per_token(Path(model))
+    small, large = int(args.factor * need), int(1.5 * need)
+    rows = {}
+    with tempfile.TemporaryDirectory() as cache_dir:
+        rows["ours-disk"] = run("ours", model, small, workloads, shape, tokenizer,
+                                ["--cache-dir", cache_dir])  # fmt: skip
+    rows["ours-ram"] = run("ours", model, large, workloads, shape, tokenizer)
+    rows["peer"] = run("peer", model, small, workloads, shape, tokenizer)
+    keys = ("turn_hits", "reuse", "warm_ttft_median", "cold_ttft_median", "peak_rss")
+    summary = {kind: {k: row[k] for k in keys} for kind, row in rows.items()}
+    summary["disk_over_ram_warm_ttft"] = (
+        rows["ours-disk"]["warm_ttft_median"] / rows["ours-ram"]["warm_ttft_median"]
+    )
+    summary["budgets"] = {"ram_small": small, "ram_large": large, "need": need}
+    args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
