@@ -23,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..serving.errors import error_body
 from ..settings import Settings
+from .errors import shaped
 
 log = logging.getLogger("mlx_cache_server.connections")
 
@@ -165,14 +166,13 @@ class HeaderLimit:
         if scope["type"] != "http" or len(scope["headers"]) <= self.max_headers:
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            error_body(
-                f"The request has {len(scope['headers'])} headers; this server accepts at most "
-                f"{self.max_headers}.",
-                "invalid_request_error",
-                code="too_many_headers",
-            )
-        ).encode()
+        body = error_body(
+            f"The request has {len(scope['headers'])} headers; this server accepts at most "
+            f"{self.max_headers}.",
+            "invalid_request_error",
+            code="too_many_headers",
+        )
+        body = json.dumps(shaped(scope["path"], 431, body)).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         await send({"type": "http.response.start", "status": 431, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -83,11 +83,16 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def shaped(path: str, status: int, body: dict) -> dict:
+    """An OpenAI-shaped error body in the shape of the API `path` belongs to: OpenAI's, or
+    Anthropic's for its Messages API."""
+    if path.startswith("/v1/messages"):
+        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
+    return body
+
+
 def _response(
     request: Request, status: int, body: dict, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """The error in the shape of the API the route belongs to: OpenAI's, or Anthropic's."""
-    if request.url.path.startswith("/v1/messages"):
-        kind = _ANTHROPIC_TYPES.get(status, "api_error")
-        body = {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
-    return JSONResponse(body, status, headers=headers)
+    return JSONResponse(shaped(request.url.path, status, body), status, headers=headers)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..serving.errors import error_body
 from ..serving.metrics import Metrics
+from .errors import shaped
 
 
 class RequestCounter:
@@ -53,7 +54,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, 413)
+            await self._refuse(send, 413, scope["path"])
             return
         received, refused, body_done = 0, 0, False
         deadline = asyncio.get_running_loop().time() + self.timeout
@@ -82,9 +83,9 @@ class BodyLimit:
 
         await self.app(scope, counting_receive, guarded_send)
         if refused:
-            await self._refuse(send, refused)
+            await self._refuse(send, refused, scope["path"])
 
-    async def _refuse(self, send: Any, status: int) -> None:
+    async def _refuse(self, send: Any, status: int, path: str) -> None:
         if status == 413:
             message, code = (
                 f"The request body is larger than this server accepts ({self.max_bytes} bytes).",
@@ -95,7 +96,8 @@ class BodyLimit:
                 f"The request body did not arrive within {self.timeout:g}s.",
                 "request_timeout",
             )
-        body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+        body = error_body(message, "invalid_request_error", code=code)
+        body = json.dumps(shaped(path, status, body)).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                    (b"content-length", str(len(body)).encode())]  # fmt: skip
         await send({"type": "http.response.start", "status": status, "headers": headers})

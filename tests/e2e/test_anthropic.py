@@ -264,3 +264,17 @@ def test_claude_codes_attribution_line_can_be_cut_so_turns_reuse_the_cache(
     # As served by default, nothing after the changing token is reused: all that follows it
     # (the line's end, the system prompt, the messages) is prefilled again.
     assert default.usage.input_tokens > total - 8
+
+
+def test_refusals_before_the_route_come_in_anthropics_shape_too(tiny_model_dir):
+    with serving(str(tiny_model_dir), served_model_name="tiny", max_body_bytes=2048) as live:
+        with pytest.raises(anthropic.APIStatusError) as e:
+            client_of(live).messages.create(
+                model="tiny", messages=[{"role": "user", "content": "x" * 4096}], max_tokens=4
+            )
+        assert e.value.status_code == 413
+        assert e.value.body["type"] == "error"
+        assert e.value.body["error"]["type"] == "request_too_large"
+        headers = {f"x-h{i}": "1" for i in range(120)}
+        r = httpx.post(live.url + "/v1/messages", json={}, headers=headers)
+        assert r.status_code == 431 and r.json()["type"] == "error"
