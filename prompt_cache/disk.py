@@ -6,10 +6,10 @@ of its path, so a shared prefix is on disk once, as in RAM. A fetch whose prompt
 goes further on disk than in RAM loads the difference back (`PromptCache` does
 that). The index survives the process: a restart finds what the last one wrote.
 
-On disk, under `root/<fingerprint>/`: `index.sqlite` with one row per file, and
-the files, `<name>.safetensors`. The fingerprint names everything that makes KV
-valid (model weights, dtype, cache layout, versions): another model never finds
-these files.
+On disk, under `root/<fingerprint>/`: `index.sqlite` with one row per file, the
+files, `<name>.safetensors`, and a lock file that one process at a time holds. The
+fingerprint names everything that makes KV valid (model weights, dtype, cache
+layout, versions): another model never finds these files.
 
 Invariants:
 - A file holds the KV of tokens [start, end) of one path, whose tokens [0, end) its
@@ -20,18 +20,21 @@ Invariants:
   files only they used.
 - Bytes are file sizes, counted from before a file is written (its arrays plus a
   bound on its header, settled to its real size after): the count never exceeds
-  `max_bytes`. Room is made by dropping least recently used files.
+  `max_bytes`. Room is made by dropping least recently used files; a path's
+  beginning is never older than its end, so its last file goes first.
 - A file is written under a temporary name and renamed, then its row committed;
   on open, rows without a file of the recorded size and files without a row are
   removed. A file whose checksum does not match on load is dropped, never served.
+- `clear` wins over writes queued or under way before it: they are dropped.
 - Namespaces (a model in one tenant's name) never share files.
 - One lock guards the trees, the LRU order, the counters and the index; file
-  writes and reads run outside it.
+  writes and reads run outside it. Only the writer thread commits recency.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import logging
@@ -56,9 +59,15 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # bump when what a file holds changes meaning
 HEADER_SLACK = 1024  # bytes reserved for a file's header, plus ENTRY_SLACK per array
 ENTRY_SLACK = 128
+MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still has them)
 SUFFIX = ".safetensors"
 
 Segment = tuple[tuple[mx.array, ...], ...]
+Path_ = list[tuple[int, int, Segment]]  # (start, end, KV of [start, end)) along a path
+
+
+class DiskTierBusy(RuntimeError):
+    """Another process uses this cache folder for the same model."""
 
 
 @dataclass(eq=False)
@@ -76,7 +85,6 @@ class DiskFile:
 class DiskStats:
     files: int = 0
     bytes: int = 0
-    hits: int = 0  # fetches that loaded tokens from disk
     tokens_loaded: int = 0
     bytes_loaded: int = 0
     load_seconds: float = 0.0
@@ -84,8 +92,8 @@ class DiskStats:
     bytes_written: int = 0
     write_seconds: float = 0.0
     dropped: int = 0  # files found bad (missing, truncated, corrupt) and removed
-    evicted: int = 0
-    skipped: int = 0  # writes not made: no room, a gap in the path, or an I/O error
+    evicted: int = 0  # files removed for room, with the files below them
+    skipped: int = 0  # writes not made: no room, a full queue, or an I/O error
     pending: int = 0
 
 
@@ -103,27 +111,54 @@ class DiskTier:
         self.folder = Path(root) / fingerprint
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.folder, 0o700)
+        self._lockfile = open(self.folder / "lock", "w")  # noqa: SIM115 (held until close)
+        try:
+            fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lockfile.close()
+            raise DiskTierBusy(f"another process uses {self.folder}") from None
         self._lock = threading.Lock()
         self._roots: dict[str, Node] = {}
         self._lru: OrderedDict[DiskFile, None] = OrderedDict()
+        self._touched: dict[str, float] = {}  # recency not yet in the index
+        self._epochs: dict[str, int] = {}  # per namespace, bumped by clear(model)
+        self._cleared = 0  # bumped by clear()
         self._nbytes = 0  # files' sizes plus the reservation of the write under way
         self._layout: str | None = None  # the cache layout all files share, as JSON
         self.stats = DiskStats()
-        self._db = sqlite3.connect(self.folder / "index.sqlite", check_same_thread=False)
+        self._db = self._open_index()
         self._db_open = True
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, namespace TEXT, "
-            "start INTEGER, end_ INTEGER, tokens BLOB, nbytes INTEGER, digest TEXT, "
-            "layout TEXT, used REAL)"
-        )
-        self._db.commit()
         self._restore()
         self._jobs: queue.Queue[tuple | None] = queue.Queue()
-        self._closed = False
+        self._closed = self._abandon = False
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
         self._writer.start()
 
     # ------------------------------------------------------------- restore
+
+    def _open_index(self) -> sqlite3.Connection:
+        path = self.folder / "index.sqlite"
+        for attempt in (1, 2):
+            try:
+                db = sqlite3.connect(path, check_same_thread=False)
+                db.execute("PRAGMA secure_delete = ON")  # a cleared prompt leaves no trace
+                db.execute(
+                    "CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, namespace TEXT, "
+                    "start INTEGER, end_ INTEGER, tokens BLOB, nbytes INTEGER, digest TEXT, "
+                    "layout TEXT, used REAL)"
+                )
+                db.commit()
+                os.chmod(path, 0o600)
+                return db
+            except sqlite3.DatabaseError as e:
+                if attempt == 2:
+                    raise
+                # A damaged index costs what it indexed, never the start.
+                log.warning("cache index %s is unreadable (%s): starting empty", path, e)
+                for p in self.folder.iterdir():
+                    if p.name.startswith("index.sqlite") or p.name.endswith(SUFFIX):
+                        p.unlink(missing_ok=True)
+        raise AssertionError("unreachable")
 
     def _restore(self) -> None:
         rows = self._db.execute(
@@ -134,14 +169,17 @@ class DiskTier:
         known = set()
         # Parents before children: a file's run starts where its parent's path ends.
         for name, ns, start, end, tokens, nbytes, digest, layout in sorted(
-            rows, key=lambda r: (r[2], r[3])
+            rows, key=lambda r: (r[2] if isinstance(r[2], int) else -1, r[3] or 0)
         ):
             path = self.folder / (name + SUFFIX)
-            ok = path.is_file() and path.stat().st_size == nbytes and len(tokens) == end * TOKEN
-            if ok and self._layout not in (None, layout):
-                ok = False  # cannot happen under one fingerprint; never trusted
-            f = DiskFile(name, ns, start, end, nbytes, digest)
-            if ok and self._attach(f, tokens) is not None:
+            ok = (
+                isinstance(tokens, bytes) and isinstance(start, int) and isinstance(end, int)
+                and 0 <= start < end and len(tokens) == end * TOKEN
+                and path.is_file() and path.stat().st_size == nbytes
+                and self._layout in (None, layout)
+            )  # fmt: skip
+            f = DiskFile(name, str(ns), start, end, nbytes, str(digest)) if ok else None
+            if f is not None and self._attach(f, tokens) is not None:
                 self._layout = layout
                 known.add(name)
                 self._lru[f] = None
@@ -152,10 +190,10 @@ class DiskTier:
         self._lru = OrderedDict((f, None) for f in sorted(self._lru, key=lambda f: recency[f.name]))
         for path in self.folder.iterdir():  # temporary files, files of rows gone
             if path.name.endswith(SUFFIX) and path.name.removesuffix(SUFFIX) not in known:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                path.unlink(missing_ok=True)
+        self._make_room(0, set())  # a smaller budget than the last process had
         self._db.commit()
-        self.stats.files, self.stats.bytes = len(self._lru), self._nbytes
+        self._count()
 
     # --------------------------------------------------------------- reads
 
@@ -173,6 +211,18 @@ class DiskTier:
             root = self._roots.get(namespace_of(model))
             return walk(root, key).length if root is not None else 0
 
+    def span_bytes(self, model: Hashable, key: bytes, start: int, end: int) -> int:
+        """About the bytes the KV of tokens [start, end) of `key` takes once loaded."""
+        with self._lock:
+            root = self._roots.get(namespace_of(model))
+            nodes = walk(root, key[: end * TOKEN]).nodes if root is not None else []
+            total = 0
+            for node in nodes:
+                f = node.segment
+                span = min(end, node.depth) - max(start, node.start)
+                total += max(0, span) * f.nbytes // (f.end - f.start)
+            return total
+
     def load(self, model: Hashable, key: bytes, start: int, end: int) -> Segment | None:
         """The KV of tokens [start, end) of `key`'s path, read and verified; None if the
         disk no longer holds them all or a file is bad (then it is dropped)."""
@@ -182,7 +232,7 @@ class DiskTier:
             w = walk(root, key[: end * TOKEN]) if root is not None else None
             if w is None or w.length < end:
                 return None
-            files = []
+            files: list[list] = []
             for node in w.nodes:
                 f = node.segment
                 lo, hi = max(start, node.start), min(end, node.depth)
@@ -192,27 +242,22 @@ class DiskTier:
                     files[-1][2] = hi
                 else:
                     files.append([f, lo, hi])
-            self._used({node.segment: None for node in w.nodes})
+            self._used([node.segment for node in w.nodes])
         pieces = []
         for f, lo, hi in files:
             arrays = self._read(f)
             if arrays is None:
                 return None
+            whole = lo == f.start and hi == f.end
+            # Part of a file is copied out: a view would keep the whole file's buffer.
+            cut = (lambda a: a) if whole else mx.contiguous
             pieces.append(
-                tuple(
-                    tuple(a[..., lo - f.start : hi - f.start, :] for a in layer) for layer in arrays
-                )
-            )
-        segment = tuple(
-            tuple(
-                p[0] if len(p) == 1 else mx.concatenate(p, axis=2)
-                for p in zip(*(piece[li] for piece in pieces), strict=True)
-            )
-            for li in range(len(pieces[0]))
-        )
+                tuple(tuple(cut(a[..., lo - f.start : hi - f.start, :]) for a in layer)
+                      for layer in arrays)
+            )  # fmt: skip
+        segment = _join(pieces)
         mx.eval(segment)
         with self._lock:
-            self.stats.hits += 1
             self.stats.tokens_loaded += end - start
             self.stats.bytes_loaded += sum(f.nbytes for f, _, _ in files)
             self.stats.load_seconds += time.perf_counter() - t0
@@ -249,35 +294,54 @@ class DiskTier:
 
     # -------------------------------------------------------------- writes
 
-    def put(self, model: Hashable, key: bytes, start: int, segment: Segment, layout: str) -> None:
-        """Queue the KV of tokens [start, len(key)) of `key`'s path for writing.
+    def put(self, model: Hashable, key: bytes, path: Path_, layout: str) -> None:
+        """Queue the KV of `key`'s path (its segments, in order) for writing.
 
-        Written behind: only what the disk lacks of the path, and only if the disk
-        holds the path up to `start` by then.
+        Written behind, and only what the disk lacks of the path by then.
         """
-        if self._closed or self.max_bytes == 0:
-            return
+        ns = namespace_of(model)
         with self._lock:
+            if self._closed or self.max_bytes == 0:
+                return
+            if self.stats.pending >= MAX_PENDING:
+                self.stats.skipped += 1
+                return
             self.stats.pending += 1
-        self._jobs.put((namespace_of(model), bytes(key), start, segment, layout))
+            epoch = self._epoch(ns)
+        self._jobs.put((ns, epoch, bytes(key), path, layout))
+
+    def _epoch(self, ns: str) -> tuple[int, int]:
+        return self._cleared, self._epochs.get(ns, 0)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the writes queued so far are done; False if `timeout` passed first."""
+        if self._closed:
+            return True
         done = threading.Event()
         self._jobs.put(("flush", done))
         return done.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish queued writes (within `timeout`), then stop the writer."""
-        if self._closed:
-            return
-        self._closed = True
+        """Finish the queued writes within `timeout`, drop the rest, and release the folder.
+
+        The write under way when time is up is waited for: stopping a thread inside MLX
+        at exit aborts the process.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._jobs.put(None)
         self._writer.join(timeout)
-        with self._lock:  # a write still under way finds the index closed and stops
-            self._db.commit()
+        if self._writer.is_alive():
+            self._abandon = True
+            self._writer.join()
+        with self._lock:
+            with contextlib.suppress(sqlite3.Error):
+                self._commit_recency()
             self._db.close()
             self._db_open = False
+        self._lockfile.close()
 
     def _write_loop(self) -> None:
         while True:
@@ -288,7 +352,8 @@ class DiskTier:
                 job[1].set()
                 continue
             try:
-                self._write(*job)
+                if not self._abandon:
+                    self._write(*job)
             except Exception:  # never fatal: the RAM tier still holds it
                 log.exception("writing a cache segment to disk failed")
                 with self._lock:
@@ -297,80 +362,91 @@ class DiskTier:
                 with self._lock:
                     self.stats.pending -= 1
 
-    def _write(self, ns: str, key: bytes, start: int, segment: Segment, layout: str) -> None:
+    def _write(self, ns: str, epoch: tuple[int, int], key: bytes, path: Path_, layout: str) -> None:
         n = len(key) // TOKEN
         with self._lock:
-            if not self._db_open:
-                return
+            if self._epoch(ns) != epoch:
+                return  # cleared since it was queued
             root = self._roots.get(ns)
             have = walk(root, key).length if root is not None else 0
             if have >= n:  # already on disk: only recency changes
-                self._touch(root, key)
+                self._used([node.segment for node in walk(root, key).nodes])
                 return
-            if have < start or (self._layout is not None and layout != self._layout):
-                self.stats.skipped += 1  # the disk lost the path's beginning
+            if self._layout is not None and layout != self._layout:
+                self.stats.skipped += 1
                 return
-            if have > start:
-                segment = tuple(
-                    tuple(a[..., have - start :, :] for a in layer) for layer in segment
-                )
-            arrays = {
-                f"{li}.{ai}": a for li, layer in enumerate(segment) for ai, a in enumerate(layer)
-            }
-            reserve = sum(a.nbytes for a in arrays.values())
-            reserve += HEADER_SLACK + ENTRY_SLACK * len(arrays)
-            if not self._make_room(reserve, root, key):
+            pieces = [(max(s, have), e, seg, s) for s, e, seg in path if e > have]
+            arrays_nbytes = sum(a.nbytes * (e - lo) // (e - s) for lo, e, seg, s in pieces
+                                for layer in seg for a in layer)  # fmt: skip
+            count = sum(len(layer) for layer in path[0][2]) if path else 0
+            reserve = arrays_nbytes + HEADER_SLACK + ENTRY_SLACK * count
+            keep = {node.segment for node in walk(root, key).nodes} if root is not None else set()
+            if not self._make_room(reserve, keep):
                 self.stats.skipped += 1
                 return
             self._nbytes += reserve
         name = uuid.uuid4().hex
-        path, tmp = self.folder / (name + SUFFIX), self.folder / f"{name}.tmp{SUFFIX}"
+        final, tmp = self.folder / (name + SUFFIX), self.folder / f"{name}.tmp{SUFFIX}"
         t0 = time.perf_counter()
+        f = None
         try:
+            segment = _join([tuple(tuple(a[..., lo - s :, :] for a in layer) for layer in seg)
+                             for lo, _, seg, s in pieces])  # fmt: skip
+            arrays = {f"{li}.{ai}": a for li, layer in enumerate(segment)
+                      for ai, a in enumerate(layer)}  # fmt: skip
             meta = {"format": str(FORMAT), "start": str(have), "end": str(n)}
             mx.save_safetensors(str(tmp), arrays, metadata=meta)
             os.chmod(tmp, 0o600)
             data = tmp.read_bytes()
             if len(data) > reserve:
                 raise OSError(f"a {len(data)}-byte file over its {reserve}-byte reservation")
-            os.replace(tmp, path)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            os.replace(tmp, final)
+            f = DiskFile(name, ns, have, n, len(data), _checksum(data))
+        except Exception as e:  # a full disk, a folder gone: the RAM tier still has it
             log.warning("cannot write a cache segment to disk: %s", e)
+        finally:
+            tmp.unlink(missing_ok=True)
             with self._lock:
                 self._nbytes -= reserve
-                self.stats.skipped += 1
-            return
-        f = DiskFile(name, ns, have, n, len(data), _checksum(data))
-        with self._lock:
-            self._nbytes -= reserve
-            if not self._db_open:
-                path.unlink(missing_ok=True)  # its row can no longer be written
-                return
-            if self._attach(f, key) is None:  # its path's beginning was dropped meanwhile
-                path.unlink(missing_ok=True)
-                self.stats.skipped += 1
-                return
-            self._layout = layout
-            self._nbytes += f.nbytes
-            self._lru[f] = None
-            self._touch(self._roots[ns], key)
+                if f is None:
+                    self.stats.skipped += 1
+                elif not self._keep(f, key, epoch, layout):
+                    final.unlink(missing_ok=True)
+                    self.stats.skipped += 1
+                else:
+                    self.stats.writes += 1
+                    self.stats.bytes_written += f.nbytes
+                    self.stats.write_seconds += time.perf_counter() - t0
+                self._count()
+
+    def _keep(self, f: DiskFile, key: bytes, epoch: tuple[int, int], layout: str) -> bool:
+        """Index a written file, under the lock; False if it no longer belongs."""
+        if not self._db_open or self._epoch(f.namespace) != epoch:
+            return False  # cleared meanwhile
+        if self._attach(f, key) is None:  # its path's beginning was dropped meanwhile
+            return False
+        self._lru[f] = None
+        self._nbytes += f.nbytes
+        try:
             self._db.execute(
                 "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, ns, have, n, key, f.nbytes, f.digest, layout, time.time()),
-            )
-            self._db.commit()
-            self.stats.writes += 1
-            self.stats.bytes_written += f.nbytes
-            self.stats.write_seconds += time.perf_counter() - t0
-            self.stats.files, self.stats.bytes = len(self._lru), self._nbytes
+                (f.name, f.namespace, f.start, f.end, key, f.nbytes, f.digest, layout,
+                 time.time()),
+            )  # fmt: skip
+            self._layout = layout
+            self._used([node.segment for node in walk(self._roots[f.namespace], key).nodes])
+            self._commit_recency()
+        except sqlite3.Error as e:
+            log.warning("cannot index a cache segment: %s", e)
+            self._drop(f)
+            return False
+        return True
 
     # ------------------------------------------------------ tree and budget
 
     def _attach(self, f: DiskFile, key: bytes) -> Node | None:
         """Hang `f`'s tokens [start, end) of `key` in its namespace's tree; None if the
-        tree does not hold the path up to `start` (or already holds all of it)."""
+        tree does not hold the path up to `start` (or already holds more)."""
         root = self._roots.setdefault(f.namespace, Node(edge=b""))
         w = walk(root, key[: f.end * TOKEN])
         if w.length != f.start:
@@ -386,32 +462,34 @@ class DiskTier:
         f.nodes.append(node)
         return node
 
-    def _touch(self, root: Node, key: bytes) -> None:
-        self._used({node.segment: None for node in walk(root, key).nodes})
-
-    def _used(self, files: dict[DiskFile, None]) -> None:
-        """Files just used, in path order: the beginning of a path is never older than its end."""
-        for f in files:
-            self._lru.move_to_end(f)
+    def _used(self, files: list[DiskFile]) -> None:
+        """Files of a path just used: the path's beginning ends up the most recent, so
+        eviction takes paths from their end, never their shared beginning first."""
         now = time.time()
-        self._db.executemany(
-            "UPDATE files SET used = ? WHERE name = ?", [(now, f.name) for f in files]
-        )
+        for f in reversed(dict.fromkeys(files)):
+            if f in self._lru:
+                self._lru.move_to_end(f)
+                self._touched[f.name] = now
 
-    def _make_room(self, need: int, root: Node | None, key: bytes) -> bool:
+    def _commit_recency(self) -> None:
+        self._db.executemany(
+            "UPDATE files SET used = ? WHERE name = ?", [(t, n) for n, t in self._touched.items()]
+        )
+        self._touched.clear()
+        self._db.commit()
+
+    def _make_room(self, need: int, keep: set[DiskFile]) -> bool:
         if need > self.max_bytes:
             return False
-        keep = {n.segment for n in walk(root, key).nodes} if root is not None else set()
         while self._nbytes + need > self.max_bytes:
             victim = next((f for f in self._lru if f not in keep), None)
             if victim is None:
                 return False
-            self._drop(victim)
-            self.stats.evicted += 1
+            self.stats.evicted += self._drop(victim)
         return True
 
-    def _drop(self, f: DiskFile) -> None:
-        """Remove `f`, the nodes in it and everything below them."""
+    def _drop(self, f: DiskFile) -> int:
+        """Remove `f`, the nodes in it and everything below them; the files removed."""
         # Every file below one of f's nodes continues a path through f's tokens.
         gone = {f: None}
         for node in list(f.nodes):
@@ -420,22 +498,36 @@ class DiskTier:
             detach(node)
             for below in iter_nodes(node):
                 gone[below.segment] = None
+        removed = 0
         for g in gone:
             if g in self._lru:
                 del self._lru[g]
                 self._nbytes -= g.nbytes
                 self._forget(g.name)
-        self.stats.files, self.stats.bytes = len(self._lru), self._nbytes
+                removed += 1
+        self._count()
+        return removed
 
     def _forget(self, name: str) -> None:
-        with contextlib.suppress(OSError):
-            (self.folder / (name + SUFFIX)).unlink()
-        self._db.execute("DELETE FROM files WHERE name = ?", (name,))
+        (self.folder / (name + SUFFIX)).unlink(missing_ok=True)
+        self._touched.pop(name, None)
+        with contextlib.suppress(sqlite3.Error):  # a row left behind is dropped on restore
+            self._db.execute("DELETE FROM files WHERE name = ?", (name,))
+
+    def _count(self) -> None:
+        self.stats.files, self.stats.bytes = len(self._lru), self._nbytes
 
     def clear(self, model: Hashable | None = None) -> None:
-        """Remove the files of `model` (of every model when None)."""
+        """Remove the files of `model` (of every model when None), and drop the writes
+        queued or under way for it."""
         with self._lock:
+            if not self._db_open:
+                return
             ns = None if model is None else namespace_of(model)
+            if ns is None:
+                self._cleared += 1
+            else:
+                self._epochs[ns] = self._epochs.get(ns, 0) + 1
             for f in [f for f in self._lru if ns is None or f.namespace == ns]:
                 if f in self._lru:
                     self._drop(f)
@@ -443,7 +535,18 @@ class DiskTier:
                 root = self._roots.get(name)
                 if root is not None and not root.children:
                     del self._roots[name]
-            self._db.commit()
+            with contextlib.suppress(sqlite3.Error):
+                self._db.commit()
+
+
+def _join(pieces: list[Segment]) -> Segment:
+    """Segments of consecutive token ranges as one."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return tuple(
+        tuple(mx.concatenate(list(parts), axis=2) for parts in zip(*layers, strict=True))
+        for layers in zip(*pieces, strict=True)
+    )
 
 
 def _checksum(data: bytes) -> str:

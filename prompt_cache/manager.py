@@ -269,16 +269,25 @@ class PromptCache:
 
     def _load_from_disk(self, model: Hashable, key: bytes) -> int:
         n = len(key) // TOKEN
+        if self.disk.layout is None:
+            return 0
+        layout = layers.layout_from_json(self.disk.layout)
         with self._lock:
             tree = self._trees.get(model)
+            if tree is not None and tree.layout != layout:
+                return 0  # the RAM tree stores this model otherwise (snapshots, say)
             have = walk(tree.root, key).length if tree is not None else 0
         end = min(self.disk.match(model, key), n)
+        # No more than the RAM budget holds: what cannot be attached is not read.
+        while end - have >= MIN_DISK_LOAD and self.disk.span_bytes(model, key, have, end) > (
+            self.max_bytes
+        ):
+            end = have + (end - have) // 2
         if end - have < MIN_DISK_LOAD:
             return 0
         segment = self.disk.load(model, key, have, end)
         if segment is None:
             return 0
-        layout = tree.layout if tree is not None else layers.layout_from_json(self.disk.layout)
         prep = _Prepared(start=have, segment=segment)
         key = key[: end * TOKEN]
         with self._lock:
@@ -359,9 +368,10 @@ class PromptCache:
             if not stored:
                 tree.stats.rejected += 1
             elif self.disk is not None and layout.sliceable and w2.length < n:
-                # Behind the RAM tier: the disk writes what it lacks of the path.
-                seg = walk(tree.root, key).nodes[-1]
-                self.disk.put(model, key, seg.start, seg.segment, layers.layout_json(layout))
+                # Behind the RAM tier: the disk writes what it lacks of the path, which
+                # may be more than this insert added (the disk drops files on its own).
+                path = [(nd.start, nd.depth, nd.segment) for nd in walk(tree.root, key).nodes]
+                self.disk.put(model, key, path, layers.layout_json(layout))
             return stored
 
     def _anchor(self, tree: _Tree, w: Walk, n: int, prep: _Prepared) -> Node:

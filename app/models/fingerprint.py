@@ -2,9 +2,9 @@
 
 KV computed by one model is garbage to another, and even to the same weights in
 another dtype or under another cache layout. The fingerprint covers the weights
-(every file's name and size, each safetensors header, and samples of its data:
-a fine-tune changes them all), the dtype the weights are served in, the layer
-cache types the model builds, mlx-lm's version and the disk format's.
+(every file's name, size and modification time, and samples of its data: a
+fine-tune changes them all), the dtype the weights are served in, the layer
+cache types the model builds, MLX's and mlx-lm's versions and the disk format's.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
@@ -28,14 +29,16 @@ def kv_fingerprint(folder: Path | None, model_id: str, model: Any) -> str:
     h = hashlib.blake2b(digest_size=16)
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     layers = [type(c).__name__ for c in make_prompt_cache(model)]
-    facts = {"format": FORMAT, "mlx_lm": mlx_lm.__version__, "dtypes": dtypes, "layers": layers}
+    facts = {"format": FORMAT, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+             "dtypes": dtypes, "layers": layers}  # fmt: skip
     h.update(json.dumps(facts, sort_keys=True).encode())
     if folder is None:  # nothing on disk to read: the name has to do
         h.update(model_id.encode())
         return h.hexdigest()
     for path in sorted(folder.iterdir()):
         if path.suffix in (".safetensors", ".json", ".gguf") and path.is_file():
-            h.update(f"{path.name}:{path.stat().st_size}".encode())
+            st = path.stat()  # a file rewritten in place changes its mtime
+            h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
             _sample(path, h)
     return h.hexdigest()
 

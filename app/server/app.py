@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from prompt_cache import PromptCache
-from prompt_cache.disk import DiskTier
+from prompt_cache.disk import DiskTier, DiskTierBusy
 
 from ..engine import Engine
 from ..models.fingerprint import kv_fingerprint
@@ -161,7 +161,10 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         if settings.cache_dir:
             root = Path(settings.cache_dir).expanduser()
             fingerprint = kv_fingerprint(folder, model_path, model)
-            disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
+            try:
+                disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
+            except DiskTierBusy as e:  # two servers writing one index would corrupt it
+                log.warning("disk tier off: %s; give each server its own --cache-dir", e)
         cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk)
     return Engine(
         model,

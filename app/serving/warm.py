@@ -21,6 +21,8 @@ from ..engine import Engine, Failed, Finished, SamplingParams
 
 log = logging.getLogger("mlx_cache_server")
 
+WAIT = 3600.0  # seconds one prompt may take before the rest are given up
+
 
 def load_warm_prompts(path: Path) -> list[str | dict[str, Any]]:
     """The file's prompts, or a ValueError saying what is wrong with it."""
@@ -51,6 +53,7 @@ def warm_tokens(engine: Engine, item: str | dict[str, Any]) -> list[int]:
 def warm(engine: Engine, items: list[str | dict[str, Any]], namespaces: list[str | None]) -> int:
     """Prefill every prompt in every namespace, one at a time; the tokens prefilled."""
     t0, total = time.perf_counter(), 0
+    namespaces = list(dict.fromkeys(namespaces))  # keys of one tenant warm it once
     for i, item in enumerate(items):
         try:
             tokens = warm_tokens(engine, item)
@@ -70,9 +73,9 @@ def warm(engine: Engine, items: list[str | dict[str, Any]], namespaces: list[str
                     done.set()
 
             engine.submit(tokens, SamplingParams(max_tokens=1, temperature=0.0), emit, namespace)
-            done.wait()
-            if isinstance(ended[0], Failed):
-                log.warning("warm prompt %d not used: %s", i, ended[0].message)
+            if not done.wait(WAIT) or isinstance(ended[0], Failed):
+                why = ended[0].message if ended else f"not done in {WAIT:g} s"
+                log.warning("warm prompt %d not used: %s", i, why)
                 break
             total += len(tokens)
     log.info("warmed %d prompts, %d tokens, in %.1f s", len(items), total, time.perf_counter() - t0)

@@ -56,7 +56,7 @@ def test_a_conversation_continues_from_disk_after_a_restart(
     assert (
         usage.prompt_tokens_details.cached_tokens >= last.prompt_tokens + last.completion_tokens - 1
     )
-    assert report["disk"]["hits"] == 1 and report["models"][0]["disk_hits"] == 1
+    assert report["models"][0]["disk_hits"] == 1 and report["disk"]["tokens_loaded"] > 0
     plain = [SYSTEM] + messages[1:-1]
     assert chat(uncached_server.url, plain)[0] == text
 

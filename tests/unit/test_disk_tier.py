@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import threading
 
 import pytest
 
-from prompt_cache import PromptCache
-from prompt_cache.disk import HEADER_SLACK, DiskTier
+from prompt_cache import PackedTokens, PromptCache
+from prompt_cache.disk import HEADER_SLACK, DiskTier, DiskTierBusy
 from tests.fakes import BYTES_PER_TOKEN, kv_cache, same_state
 
 SYSTEM = list(range(100, 400))
@@ -132,3 +134,71 @@ def test_concurrent_fetches_of_one_disk_segment_each_get_it_whole(tmp_path):
         found = list(pool.map(lambda _: again.fetch("m", seq + [7]), range(4)))
     assert all(f.n_cached == len(seq) and same_state(f.cache, kv_cache(seq)) for f in found)
     assert again.stats("m").sequences == 1 and again.stats("m").bytes == len(seq) * BYTES_PER_TOKEN
+
+
+def test_clear_wins_over_writes_queued_before_it(tmp_path):
+    cache = tiered(tmp_path)
+    gate, write = threading.Event(), cache.disk._write
+
+    def held(*job):
+        gate.wait()
+        write(*job)
+
+    cache.disk._write = held  # the writer waits: every insert's write is still queued
+    for t in range(5):
+        seq = [t] + SYSTEM
+        cache.insert("m", seq, kv_cache(seq))
+    cache.clear("m")
+    gate.set()
+    cache.disk.close()
+    again = tiered(tmp_path)
+    assert again.disk.nbytes == 0 and again.fetch("m", [0] + SYSTEM).kind == "miss"
+
+
+def test_eviction_takes_a_path_from_its_end(tmp_path):
+    turn1 = SYSTEM + [1]
+    turn2 = turn1 + list(range(10))
+    cache = tiered(tmp_path)
+    for seq in (turn1, turn2):
+        cache.insert("m", seq, kv_cache(seq))
+        cache.disk.flush()
+    other = [7] * 12
+    # One byte short of room for `other` (its arrays and header bound): a file must go.
+    cache.disk.max_bytes = cache.disk.nbytes + 12 * BYTES_PER_TOKEN + HEADER_SLACK + 4 * 128 - 1
+    cache.insert("m", other, kv_cache(other))
+    cache.disk.flush()
+    assert cache.disk.stats.evicted == 1 and cache.disk.stats.writes == 3
+    assert cache.disk.match("m", PackedTokens.of(turn2)) == len(turn1)
+
+
+def test_a_prefix_the_disk_lost_is_written_again_with_the_next_turn(tmp_path):
+    cache = tiered(tmp_path)
+    turn1 = SYSTEM + [1, 2]
+    cache.insert("m", turn1, kv_cache(turn1))
+    cache.disk.flush()
+    cache.disk.clear("m")  # the disk loses it; RAM still holds it
+    turn2 = turn1 + [3, 4]
+    cache.insert("m", turn2, kv_cache(turn2))
+    cache.disk.flush()
+    assert cache.disk.match("m", PackedTokens.of(turn2)) == len(turn2)
+
+
+def test_a_failed_write_gives_its_room_back(tmp_path):
+    cache = tiered(tmp_path)
+    shutil.rmtree(cache.disk.folder)  # the folder is gone: every write fails
+    cache.insert("m", SYSTEM, kv_cache(SYSTEM))
+    cache.disk.flush()
+    assert cache.disk.nbytes == 0 and cache.disk.stats.skipped == 1
+
+
+def test_one_process_per_folder_and_a_smaller_budget_on_restart(tmp_path):
+    cache = tiered(tmp_path)
+    with pytest.raises(DiskTierBusy):
+        tiered(tmp_path)
+    for t in range(3):
+        seq = [t] + SYSTEM
+        cache.insert("m", seq, kv_cache(seq))
+    cache.disk.close()
+    one = (len(SYSTEM) + 1) * BYTES_PER_TOKEN
+    again = tiered(tmp_path, disk_bytes=one + 2000)
+    assert again.disk.nbytes <= one + 2000 and again.disk.stats.files == 1

@@ -47,7 +47,6 @@ class DiskReport(BaseModel):
     max_bytes: int
     bytes: int
     files: int
-    hits: int
     tokens_loaded: int
     bytes_loaded: int
     load_seconds: float
