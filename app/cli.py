@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="cut Claude Code's per-request x-anthropic-billing-header line from system prompts",
     )
+    serve.add_argument(
+        "--decode-gap",
+        type=float,
+        help="seconds running streams should wait at most while prompts prefill (default 0.8)",
+    )
     serve.add_argument("--log-level", help="debug, info, warning or error")
     serve.add_argument(
         "--api-key",

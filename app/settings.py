@@ -45,6 +45,7 @@ class Settings:
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    decode_gap: float = 0.8  # seconds a decoding stream should wait at most while prompts prefill
     log_level: str = "info"
     # Protection
     api_keys: list[str] = field(default_factory=list)  # none: no authentication

@@ -13,6 +13,7 @@ that belongs to one request (its sampling, its admission) ends that request only
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from mlx_lm.generate import BatchGenerator
 from prompt_cache import fresh_cache
 
 from .admission import plan_admission
+from .chunking import StepCosts, chunk_size
 from .events import Failed, Finished, Started
 from .output import next_output
 from .prefill import prefill_alone
@@ -41,6 +43,7 @@ class Batch:
         self.engine = engine
         self.gen = BatchGenerator(engine.model, **engine.batch_args)
         self.active: dict[int, Request] = {}
+        self.costs = StepCosts()
 
     def close(self) -> None:
         self.gen.close()
@@ -99,7 +102,7 @@ class Batch:
         # Prefilling here holds up the batch's decoding until done: for one step's
         # worth of tokens that is what BatchGenerator does too; for more, only
         # when nobody else is running.
-        short = len(tokens) - n <= engine.prefill_step_size
+        short = len(tokens) - n <= self.chunk()
         if alone and not request.followers and (short or not self.active):
             self._start_alone(request, cached or fresh_cache(engine.model), n, sampler, processors)
             return
@@ -159,7 +162,15 @@ class Batch:
         sequence's response holds its whole KV, which, left in a loop variable,
         would stay alive while the next request's own KV is fetched and prefilled.
         """
+        self.gen.prefill_step_size = self.chunk()
+        before = _counters(self.gen)
         prefills, responses = self.gen.next()
+        after = _counters(self.gen)
+        if before is not None and after is not None:
+            if after.generation_steps > before.generation_steps:
+                self.costs.saw_decode(after.decode_time - before.decode_time)
+            tokens = after.prompt_tokens - before.prompt_tokens
+            self.costs.saw_prefill(after.prompt_time - before.prompt_time, tokens)
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:
@@ -176,6 +187,15 @@ class Batch:
 
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
         self._drop_faulted()
+
+    def chunk(self) -> int:
+        """Prompt tokens the next step may prefill: within the decode gap while streams
+        decode (`chunking`), the largest chunk when none does."""
+        e = self.engine
+        decoding = any(not r.prefilling for r in self.active.values())
+        return chunk_size(
+            self.costs, decoding, e.decode_gap, e.min_prefill_chunk, e.prefill_step_size
+        )
 
     def _on_prefill(self, progress: Any) -> None:
         request = self.active.get(progress.uid)
@@ -245,3 +265,9 @@ class Batch:
         self.engine.stats.failed += 1
         for follower in followers:  # they wait for a prefix, not for this request's output
             self.engine.requeue(follower)
+
+
+def _counters(gen: BatchGenerator) -> Any:
+    """A copy of the generator's time and token counters (mlx-lm's own), if it keeps them."""
+    counters = getattr(gen, "_counters", None)
+    return copy.copy(counters) if counters is not None else None

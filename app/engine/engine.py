@@ -46,6 +46,8 @@ class Engine:
         completion_batch_size: int = 16,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
+        decode_gap: float = 0.8,
+        min_prefill_chunk: int = 32,
         min_shared_prefix: int = 32,
         release_after: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
@@ -57,7 +59,10 @@ class Engine:
         self.cache = cache
         self.context_length = context_length
         self.min_shared_prefix = min_shared_prefix
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size = prefill_step_size  # the largest prefill chunk
+        # While streams decode, a step that also prefills aims to take at most this long.
+        self.decode_gap = decode_gap
+        self.min_prefill_chunk = min(min_prefill_chunk, prefill_step_size)
         self.release_after = release_after  # idle seconds before pooled memory goes back
         self.clock = clock
         self.generation_config = generation_config or {}  # the model's sampling values

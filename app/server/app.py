@@ -175,6 +175,7 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         completion_batch_size=settings.completion_batch_size,
         prefill_batch_size=settings.prefill_batch_size,
         prefill_step_size=settings.prefill_step_size,
+        decode_gap=settings.decode_gap,
         generation_config=model_config,
     )
 

@@ -9,7 +9,6 @@ only, `cache_read_input_tokens` what the cache served, as Anthropic reports.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import uuid
@@ -22,7 +21,7 @@ from pydantic import Field
 from ..engine import Delta, Event, Failed, Finished, Started
 from .chat import ChatCompletionsServing, chat_request, render
 from .errors import APIError
-from .generation import collect, failure_status, off_loop, until_disconnected
+from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
 from .limits import check_model, check_prompt_chars
 from .schemas import ChatCompletionRequest, TextRequest, ToolCallDelta, _Request
 from .sse import EventStream
@@ -232,39 +231,11 @@ def _sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-async def _with_pings(events: AsyncIterator[Event]) -> AsyncIterator[Event | None]:
-    """The events, and None whenever PING_EVERY seconds pass without one."""
-    pending = asyncio.ensure_future(anext(events))
-    try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=PING_EVERY)
-            if not done:
-                yield None
-                continue
-            try:
-                event = pending.result()
-            except StopAsyncIteration:
-                return
-            yield event
-            pending = asyncio.ensure_future(anext(events))
-    finally:
-        if not pending.done():
-            pending.cancel()
-            try:
-                await pending  # the generator must be idle before it can be closed
-            except (asyncio.CancelledError, StopAsyncIteration):
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    await events.aclose()
-                    raise  # our own cancellation, not only the pending read's
-        await events.aclose()
-
-
 async def _stream(run: Any, mid: str, model: str) -> AsyncIterator[str]:
     """Anthropic's stream: message_start, content blocks, message_delta, message_stop."""
     blocks = _Blocks()
     yield _sse("ping", {})  # bytes at once: the prompt may take long to prefill
-    async with contextlib.aclosing(_with_pings(run.events)) as events:
+    async with contextlib.aclosing(with_pauses(run.events, PING_EVERY)) as events:
         async for event in events:
             for out in _on(event, run, blocks, mid, model):
                 yield out

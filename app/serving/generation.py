@@ -215,3 +215,32 @@ def failure_status(event: Failed) -> tuple[int, str]:
         "timeout": (408, "timeout_error"),
         "shutdown": (503, "service_unavailable"),
     }.get(event.reason, (500, "server_error"))
+
+
+async def with_pauses(events: AsyncIterator[Event], every: float) -> AsyncIterator[Event | None]:
+    """The events, and None whenever `every` seconds pass without one: a stream's cue to
+    send something that keeps clients and proxies from giving up on a long prefill."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            try:
+                await pending  # the generator must be idle before it can be closed
+            except (asyncio.CancelledError, StopAsyncIteration):
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    await events.aclose()
+                    raise  # our own cancellation, not only the pending read's
+        await events.aclose()

@@ -24,9 +24,9 @@ from pydantic import Field
 from ..engine import Delta, Failed, Finished, Started
 from .chat import ChatCompletionsServing, Run, chat_request
 from .errors import APIError
-from .generation import collect, failure_status, off_loop, until_disconnected
+from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
 from .schemas import ChatCompletionRequest, FunctionCall, TextRequest, ToolCall, ToolCallDelta
-from .sse import EventStream
+from .sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, EventStream
 
 ROUTE = "/v1/responses"
 # A custom (free-form) tool is offered to the model as a function of one string, since
@@ -302,7 +302,7 @@ class _Response:
     async def stream(self, run: Run) -> AsyncIterator[str]:
         # Closed here, not left to the garbage collector: a client gone mid-stream ends
         # its generation at once.
-        async with contextlib.aclosing(run.events) as events:
+        async with contextlib.aclosing(with_pauses(run.events, KEEP_ALIVE_EVERY)) as events:
             async for out in self._events(run, events):
                 yield out
 
@@ -315,7 +315,9 @@ class _Response:
         started = self.body([], None, None, "in_progress")
         yield self.event("response.created", response=started)
         async for event in events:
-            if isinstance(event, Started):
+            if event is None:
+                yield KEEP_ALIVE
+            elif isinstance(event, Started):
                 cached = event.cached_tokens
                 yield self.event("response.in_progress", response=started)
             elif isinstance(event, Failed):

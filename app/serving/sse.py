@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -10,10 +11,14 @@ from pydantic import BaseModel
 
 from ..engine import Delta, Event, Failed, Finished, Started
 from .errors import error_body
-from .generation import failure_status, make_usage
+from .generation import failure_status, make_usage, with_pauses
 from .schemas import ErrorResponse, Usage
 
 SSE_DONE = "data: [DONE]\n\n"
+# An SSE comment, which clients skip: sent while a long prompt prefills, so that clients
+# and proxies with idle timeouts keep the stream.
+KEEP_ALIVE = ": keep-alive\n\n"
+KEEP_ALIVE_EVERY = 5.0  # seconds without an event before one
 
 
 def sse(chunk: BaseModel) -> str:
@@ -37,24 +42,29 @@ async def sse_stream(
     ends the stream, errors included (an error event in OpenAI's error shape).
     """
     prompt = cached = 0
-    async for event in events:
-        if isinstance(event, Started):
-            prompt, cached = event.prompt_tokens, event.cached_tokens
-            for chunk in start():
-                yield sse(chunk)
-        elif isinstance(event, Delta):
-            for chunk in delta(event):
-                yield sse(chunk)
-        elif isinstance(event, Finished):
-            for chunk in finish(event.reason):
-                yield sse(chunk)
-            if usage is not None:
-                yield sse(usage(make_usage(prompt, cached, event.completion_tokens)))
-            yield SSE_DONE
-        elif isinstance(event, Failed):
-            _, kind = failure_status(event)
-            yield sse(ErrorResponse.model_validate(error_body(event.message, kind)))
-            yield SSE_DONE
+    async with contextlib.aclosing(with_pauses(events, KEEP_ALIVE_EVERY)) as paced:
+        async for event in paced:
+            if event is None:
+                yield KEEP_ALIVE
+            elif isinstance(event, Started):
+                prompt, cached = event.prompt_tokens, event.cached_tokens
+                for chunk in start():
+                    yield sse(chunk)
+            elif isinstance(event, Delta):
+                for chunk in delta(event):
+                    yield sse(chunk)
+            elif isinstance(event, Finished):
+                for chunk in finish(event.reason):
+                    yield sse(chunk)
+                if usage is not None:
+                    yield sse(usage(make_usage(prompt, cached, event.completion_tokens)))
+                yield SSE_DONE
+                return
+            elif isinstance(event, Failed):
+                _, kind = failure_status(event)
+                yield sse(ErrorResponse.model_validate(error_body(event.message, kind)))
+                yield SSE_DONE
+                return
 
 
 class EventStream(StreamingResponse):

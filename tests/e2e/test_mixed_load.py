@@ -1,0 +1,79 @@
+"""A running stream keeps getting tokens while a long prompt prefills beside it."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+from openai import OpenAI
+
+from app.engine import Delta, Finished, SamplingParams, Started
+from app.server import build_engine
+from app.settings import Settings
+from tests.helpers import ended, wait_until
+
+
+def test_a_long_prompt_prefills_in_chunks_between_the_running_streams_tokens(tiny_model_dir):
+    # A gap too short for any prefill: every step prefills the smallest chunk.
+    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
+    log: list[tuple[str, Any]] = []  # every event of both requests, in the order they came
+    lock = threading.Lock()
+
+    def sink(name: str):
+        def emit(event: Any) -> None:
+            with lock:
+                log.append((name, event))
+
+        return emit
+
+    tokens = engine.tokenizer.encode("Tell me a long story about the sea. ")
+    long_prompt = (tokens * 200)[:2000]
+    engine.start()
+    try:
+        no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}  # decode to the limit
+        params = SamplingParams(max_tokens=2000, temperature=0.0, logit_bias=no_end)
+        engine.submit(tokens, params, sink("running"))
+        wait_until(lambda: sum(1 for n, e in log if n == "running" and isinstance(e, Delta)) > 3)
+        engine.submit(long_prompt, SamplingParams(max_tokens=2), sink("long"))
+        wait_until(lambda: ended([e for n, e in log if n == "long"]))
+    finally:
+        engine.stop()
+    order = [(n, type(e)) for n, e in log]
+    started = order.index(("long", Started))
+    first = order.index(("long", Delta))
+    between = [n for n, kind in order[started:first] if kind is Delta]
+    chunks = -(-len(long_prompt) // engine.min_prefill_chunk)
+    # The running stream got a token with every chunk of the long prompt's prefill.
+    assert between.count("running") >= chunks - 1
+    assert ("running", Finished) not in order[:first]
+
+
+def test_openai_streams_keep_alive_with_comments_the_sdks_skip(server, monkeypatch):
+    import app.serving.responses as responses_api
+    import app.serving.sse as sse
+
+    monkeypatch.setattr(sse, "KEEP_ALIVE_EVERY", 0.0005)
+    monkeypatch.setattr(responses_api, "KEEP_ALIVE_EVERY", 0.0005)
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Say hello."}]
+    for path, body in (
+        ("/v1/chat/completions", {"messages": ask, "max_tokens": 30}),
+        ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 30}),
+        ("/v1/responses", {"input": "Say hello.", "max_output_tokens": 30}),
+    ):
+        body = {"model": "tiny", "stream": True, "temperature": 0, **body}
+        with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert ": keep-alive" in lines, path
+        assert (
+            lines[-1] == "data: [DONE]"
+            or "response.completed" in lines[-1]
+            or ("response.incomplete" in lines[-1])
+        )
+    with client.chat.completions.create(
+        model="tiny", messages=ask, max_tokens=30, temperature=0, stream=True
+    ) as stream:
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    whole = client.chat.completions.create(model="tiny", messages=ask, max_tokens=30, temperature=0)
+    assert streamed == whole.choices[0].message.content
