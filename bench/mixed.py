@@ -1,0 +1,118 @@
+"""Running streams while a long prompt prefills: ours against mlx_lm.server.
+
+Each server runs alone in turn (same model, OpenBLAS, same cache limits). First a
+long unique prompt (`--words`, 2000) is sent to the idle server: its TTFT alone.
+Then `--streams` (4) streams start decoding (greedy, up to 400 tokens), and once
+each has sent a few tokens, another long unique prompt of the same length arrives.
+Reported: the longest gap between two tokens of any running stream while the long
+prompt prefills (from its arrival to its first token), the streams' inter-token
+latency p50/p99 over that window, and the long prompt's TTFT beside the streams
+against its TTFT alone.
+
+    python bench/mixed.py [--words 2000] [--streams 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from multiturn import RESULTS, WORDS, running
+from openai import OpenAI
+
+from app.models.default_model import default_model_dir
+
+BUDGET = 2 * 1024**3
+
+
+def long_prompt(words: int, seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    return [{"role": "user", "content": f"{text}\n\nSummarize the text above in one line."}]
+
+
+def first_token(client: OpenAI, model: str, messages: list[dict]) -> float:
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, stream=True
+    )
+    ttft = None
+    for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            ttft = time.perf_counter() - t0
+    return ttft or time.perf_counter() - t0
+
+
+def stream_times(client: OpenAI, model: str, i: int, out: list[float], ready: threading.Event):
+    messages = [{"role": "user", "content": f"Stream {i}: write a long story about the sea."}]
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=400, temperature=0, stream=True
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            out.append(time.perf_counter())
+            if len(out) == 5:
+                ready.set()
+    ready.set()
+
+
+def measure(kind: str, model: str, args) -> dict:
+    name = "bench" if kind != "peer" else model
+    with running(kind, model, 64, BUDGET) as server:
+        client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", timeout=3600)
+        first_token(client, name, [{"role": "user", "content": "Hi."}])  # warm up
+        alone = first_token(client, name, long_prompt(args.words, 1))
+        times: list[list[float]] = [[] for _ in range(args.streams)]
+        readies = [threading.Event() for _ in range(args.streams)]
+        threads = [
+            threading.Thread(target=stream_times, args=(client, name, i, times[i], readies[i]))
+            for i in range(args.streams)
+        ]
+        for t in threads:
+            t.start()
+        for r in readies:
+            r.wait()
+        arrival = time.perf_counter()
+        beside = first_token(client, name, long_prompt(args.words, 2))
+        end = arrival + beside
+        for t in threads:
+            t.join()
+    gaps = []
+    for ts in times:
+        window = [t for t in ts if arrival <= t <= end]
+        before = [t for t in ts if t < arrival][-1:]
+        after = [t for t in ts if t > end][:1]
+        marks = before + window + after
+        gaps += [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    gaps.sort()
+    return {
+        "ttft_alone": alone,
+        "ttft_beside_streams": beside,
+        "ttft_ratio": beside / alone,
+        "longest_gap": max(gaps) if gaps else None,
+        "itl_p50": statistics.median(gaps) if gaps else None,
+        "itl_p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--words", type=int, default=2000)
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=RESULTS / "mixed.json")
+    args = ap.parse_args()
+    model = str(default_model_dir())
+    result = {kind: measure(kind, model, args) for kind in ("ours", "peer")}
+    result["settings"] = vars(args) | {"out": str(args.out)}
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
