@@ -209,7 +209,8 @@ def serve(args: argparse.Namespace) -> int:
     engine.start()
     if warm_items:  # behind the server's start: requests meanwhile queue with them
         namespaces = [tenant_of(k) for k in settings.api_keys] or [None]
-        threading.Thread(target=warm, args=(engine, warm_items, namespaces), daemon=True).start()
+        warming = (engine, warm_items, namespaces, settings.strip_attribution_header)
+        threading.Thread(target=warm, args=warming, daemon=True).start()
     try:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
         # then cancels them (which cancels their generations); the engine stops after.

@@ -86,8 +86,11 @@ _ANTHROPIC_TYPES = {
 def shaped(path: str, status: int, body: dict) -> dict:
     """An OpenAI-shaped error body in the shape of the API `path` belongs to: OpenAI's, or
     Anthropic's for its Messages API."""
-    if path.startswith("/v1/messages"):
-        kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        # Anthropic: its other 4xx are invalid requests; api_error is its own failure.
+        kind = _ANTHROPIC_TYPES.get(
+            status, "invalid_request_error" if status < 500 else "api_error"
+        )
         return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
     return body
 

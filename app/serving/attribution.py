@@ -6,9 +6,10 @@ Claude Code (2.1.36 on) starts its system prompt with a text block
 base URL is not Anthropic's). At the very start of the prompt, it leaves a prefix
 cache nothing to reuse: every turn is prefilled whole, and no two sessions share
 their system prompt and tool definitions. Anthropic reads the line as billing
-data; a model has no use for it. `--strip-attribution-header` removes such lines
-from system messages before the chat template sees them; the client's own switch
-is `CLAUDE_CODE_ATTRIBUTION_HEADER=0`.
+data; a model has no use for it. `--strip-attribution-header` removes it from the
+start of system messages before the chat template sees them (and nothing else: a
+prompt that quotes it further on keeps it); the client's own switch is
+`CLAUDE_CODE_ATTRIBUTION_HEADER=0`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# The line, and the blank lines that joined it to the next text block.
-LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|\Z)\n*", re.MULTILINE)
+# The line at the very start of a system message, as Claude Code writes it (fields ending
+# in ";"), and the blank lines that joined it to the next text block. Nothing past its last
+# ";" is taken: a client that glued the next block to it keeps that block whole.
+LINE = re.compile(r"\A\s*x-anthropic-billing-header:(?:\s*[a-z_]+=[^;\n]*;)+[ \t]*(?:\r?\n)*")
 
 
 def strip_attribution(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with attribution lines cut from system messages' text; a system
-    message that held nothing else is left out, as if never sent."""
+    """The messages with the attribution line cut from the start of system messages; a
+    system message that held nothing else is left out, as if never sent."""
     out = []
     for message in messages:
         content = message.get("content")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -113,22 +114,28 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             raise APIError(400, f"Unsupported input item type {kind!r}.", param=where)
     if not messages:
         raise APIError(400, "The input is empty.", param="input")
-    tools = []
+    tools, kinds = [], {}  # kinds: each offered tool's name -> "function" or "custom"
     for i, tool in enumerate(req.tools or []):
-        if tool.get("type") in HOSTED_TOOLS:
+        kind, name, where = tool.get("type"), tool.get("name"), f"tools[{i}]"
+        if isinstance(kind, str) and kind in HOSTED_TOOLS:
             continue  # the provider's own tools: nothing here runs them, so none is offered
-        if tool.get("type") not in ("function", "custom"):
+        if kind not in ("function", "custom"):
             raise APIError(
-                400,
-                f"Only function and custom tools are supported; got {tool.get('type')!r}.",
-                param=f"tools[{i}]",
+                400, f"Only function and custom tools are supported; got {kind!r}.", param=where
             )
-        if tool.get("type") == "custom":
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "Each tool needs a 'name'.", param=f"{where}.name")
+        if name in kinds:
+            raise APIError(400, f"Two tools are named {name!r}.", param=f"{where}.name")
+        kinds[name] = kind
+        if kind == "custom":
             parameters = CUSTOM_PARAMETERS
         else:
             parameters = tool.get("parameters") or {"type": "object", "properties": {}}
-        function = {"name": tool.get("name"), "description": _description(tool)}
+        function = {"name": name, "description": _description(tool, where)}
         tools.append({"type": "function", "function": {**function, "parameters": parameters}})
+    if not tools and req.tool_choice not in (None, "auto", "none"):
+        raise APIError(400, "tool_choice needs a function or custom tool.", param="tool_choice")
     chat = {
         "model": req.model,
         "messages": messages,
@@ -136,21 +143,29 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "temperature": req.temperature,
         "top_p": req.top_p,
         "tools": tools or None,
-        "tool_choice": _tool_choice(req.tool_choice) if tools else None,
+        "tool_choice": _tool_choice(req.tool_choice, kinds) if tools else None,
         "response_format": _format(req.text),
     }
     return chat_request(chat)
 
 
-def _description(tool: dict[str, Any]) -> str:
+def _description(tool: dict[str, Any], where: str) -> str:
     text = tool.get("description") or ""
-    spec = tool.get("format") if tool.get("type") == "custom" else None
-    if isinstance(spec, dict) and spec.get("type") == "grammar":
-        grammar = (
-            f"The input follows this {spec.get('syntax', '')} grammar:\n{spec.get('definition')}"
+    if tool.get("type") != "custom" or tool.get("format") is None:
+        return text
+    spec = tool["format"]
+    if isinstance(spec, dict) and spec.get("type") == "text":
+        return text
+    ok = isinstance(spec, dict) and spec.get("type") == "grammar"
+    if not ok or not all(isinstance(spec.get(k), str) for k in ("syntax", "definition")):
+        raise APIError(
+            400,
+            'A custom tool\'s format is {"type": "text"} or {"type": "grammar", "syntax": ..., '
+            '"definition": ...}.',
+            param=f"{where}.format",
         )
-        text = f"{text}\n\n{grammar}" if text else grammar
-    return text
+    grammar = f"The input follows this {spec['syntax']} grammar:\n{spec['definition']}"
+    return f"{text}\n\n{grammar}" if text else grammar
 
 
 def _custom_arguments(text: str) -> str:
@@ -158,12 +173,19 @@ def _custom_arguments(text: str) -> str:
 
 
 def _custom_input(arguments: str) -> str:
-    """A custom call's input from the arguments the model wrote (as they came, if they are
-    not the one string asked for: the model's own words are all there is)."""
+    """A custom call's input from the arguments the model wrote: the string, or as much of
+    it as came before the reply was cut off; the arguments as they came if they are not
+    that string (the model's own words are all there is)."""
     with contextlib.suppress(ValueError):
         value = json.loads(arguments)
         if isinstance(value, dict) and isinstance(value.get("input"), str):
             return value["input"]
+    start = re.match(r'\s*\{\s*"input"\s*:\s*"', arguments)
+    if start is not None:
+        rest = arguments[start.end() :]
+        for cut in range(min(len(rest), 6) + 1):  # an escape may be cut in the middle
+            with contextlib.suppress(ValueError):
+                return json.loads(f'"{rest[: len(rest) - cut]}"')
     return arguments
 
 
@@ -192,11 +214,17 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any, kinds: dict[str, str]) -> Any:
     if choice is None or choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        name = choice.get("name")
+        if kinds.get(name) != choice["type"]:
+            raise APIError(
+                400, f"tool_choice names no {choice['type']} tool given: {name!r}.",
+                param="tool_choice",
+            )  # fmt: skip
+        return {"type": "function", "function": {"name": name}}
     raise APIError(400, f"Unsupported tool_choice {choice!r}.", param="tool_choice")
 
 

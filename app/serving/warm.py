@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import Engine, Failed, Finished, SamplingParams
+from .attribution import strip_attribution
 
 log = logging.getLogger("mlx_cache_server")
 
@@ -39,24 +40,29 @@ def load_warm_prompts(path: Path) -> list[str | dict[str, Any]]:
     return items
 
 
-def warm_tokens(engine: Engine, item: str | dict[str, Any]) -> list[int]:
+def warm_tokens(engine: Engine, item: str | dict[str, Any], strip: bool = False) -> list[int]:
+    """The item's tokens; `strip`: as `--strip-attribution-header` renders requests."""
     if isinstance(item, str):
         return list(engine.tokenizer.encode(item))
     kwargs = {"tools": item["tools"]} if item.get("tools") else {}
+    messages = strip_attribution(item["messages"]) if strip else item["messages"]
     return list(
-        engine.tokenizer.apply_chat_template(
-            item["messages"], add_generation_prompt=False, **kwargs
-        )
+        engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
     )
 
 
-def warm(engine: Engine, items: list[str | dict[str, Any]], namespaces: list[str | None]) -> int:
+def warm(
+    engine: Engine,
+    items: list[str | dict[str, Any]],
+    namespaces: list[str | None],
+    strip: bool = False,
+) -> int:
     """Prefill every prompt in every namespace, one at a time; the tokens prefilled."""
     t0, total = time.perf_counter(), 0
     namespaces = list(dict.fromkeys(namespaces))  # keys of one tenant warm it once
     for i, item in enumerate(items):
         try:
-            tokens = warm_tokens(engine, item)
+            tokens = warm_tokens(engine, item, strip)
         except Exception as e:  # a template that rejects it: the others still count
             log.warning("warm prompt %d not used: %s", i, e)
             continue

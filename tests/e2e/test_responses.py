@@ -119,6 +119,15 @@ def test_a_function_call_streams_its_arguments(tools_live):
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"tools": [{"type": "shell_v9", "name": "sh"}]}, "tools[0]"),
+        ({"tools": [{"type": ["web_search"]}]}, "tools[0]"),
+        ({"tools": [{"type": "web_search"}, {"type": "custom"}]}, "tools[1].name"),
+        ({"tools": [PATCH, {**WEATHER, "name": "apply_patch"}]}, "tools[1].name"),
+        ({"tools": [{**PATCH, "format": "lark"}]}, "tools[0].format"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "custom", "name": "get_weather"}},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, "tool_choice"),
         ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "p"}]}, "input[0].input"),
         (
             {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
@@ -201,3 +210,15 @@ def test_a_custom_tool_call_streams_its_input(tools_live):
     whole = client.responses.create(**kwargs).output[0]
     assert item.type == whole.type == "custom_tool_call"
     assert done.input == item.input == whole.input
+
+
+def test_a_custom_call_cut_off_streams_the_input_it_had(tools_live):
+    kwargs = dict(
+        model="tiny", input="Patch it.", tools=[PATCH], max_output_tokens=50, temperature=0,
+        tool_choice={"type": "custom", "name": "apply_patch"},
+    )  # fmt: skip
+    with client_of(tools_live).responses.stream(**kwargs) as stream:
+        items = [e.item for e in stream if e.type == "response.output_item.done"]
+    (item,) = items
+    assert item.type == "custom_tool_call" and item.status == "incomplete"
+    assert not item.input.startswith("{")  # the string so far, not its JSON wrapping

@@ -16,14 +16,19 @@ def test_the_line_and_its_separator_go_the_rest_stays():
     ]
 
 
-def test_a_line_in_the_middle_or_alone_is_cut():
-    middle = {"role": "system", "content": f"First.\n{HEADER}\nLast."}
-    alone = {"role": "system", "content": HEADER}
-    assert strip_attribution([alone, middle]) == [{"role": "system", "content": "First.\nLast."}]
+def test_only_the_start_of_a_system_message_and_only_the_line():
+    glued = {"role": "system", "content": f"{HEADER}You are Claude Code.\nRule 2."}
+    later = {"role": "system", "content": f"Proxy notes:\n{HEADER}\nAlways be brief."}
+    alone = {"role": "system", "content": f"  {HEADER}\r\n"}
+    assert strip_attribution([alone, glued, later]) == [
+        {"role": "system", "content": "You are Claude Code.\nRule 2."},  # parts joined as ""
+        later,  # quoted further on: the client's own words
+    ]
 
 
 def test_a_prompt_without_it_is_untouched():
     messages = [
+        {"role": "system", "content": "x-anthropic-billing-header: is what Claude Code sends."},
         {"role": "system", "content": "Mentions x-anthropic-billing-header: mid-line."},
         {"role": "user", "content": "hi"},
     ]
