@@ -27,15 +27,22 @@ SMOOTHING = 0.3  # weight of the newest measurement in each moving average
 
 @dataclass
 class StepCosts:
+    """Moving averages of the costs, each read as at least its latest measurement: a cost
+    that just rose (a longer context, more streams) counts at once, one that fell slowly."""
+
     decode: float | None = None  # seconds for one decode step of the running streams
     per_token: float | None = None  # seconds per prefilled token
+    last_decode: float = 0.0
+    last_per_token: float = 0.0
 
     def saw_decode(self, seconds: float) -> None:
         self.decode = _average(self.decode, seconds)
+        self.last_decode = seconds
 
     def saw_prefill(self, seconds: float, tokens: int) -> None:
         if tokens > 0:
             self.per_token = _average(self.per_token, seconds / tokens)
+            self.last_per_token = seconds / tokens
 
 
 def chunk_size(
@@ -46,8 +53,8 @@ def chunk_size(
         return max_chunk
     if costs.per_token is None:
         return min_chunk
-    room = target_gap - (costs.decode or 0.0)
-    return max(min_chunk, min(max_chunk, int(room / costs.per_token)))
+    room = target_gap - max(costs.decode or 0.0, costs.last_decode)
+    return max(min_chunk, min(max_chunk, int(room / max(costs.per_token, costs.last_per_token))))
 
 
 def _average(old: float | None, new: float) -> float:

@@ -34,3 +34,14 @@ def test_costs_follow_the_latest_steps():
     assert abs(costs.per_token - 0.02) < 1e-4
     costs.saw_decode(0.1)
     assert costs.decode == 0.1
+
+
+def test_a_cost_that_just_rose_counts_at_once():
+    costs = StepCosts()
+    for _ in range(20):
+        costs.saw_prefill(0.5, 100)  # 5 ms a token
+        costs.saw_decode(0.1)
+    assert chunk_size(costs, decoding=True, target_gap=0.8, min_chunk=32, max_chunk=512) == 140
+    costs.saw_prefill(1.0, 100)  # the prompt grew: 10 ms a token now
+    costs.saw_decode(0.2)
+    assert chunk_size(costs, decoding=True, target_gap=0.8, min_chunk=32, max_chunk=512) == 60
