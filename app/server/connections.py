@@ -27,6 +27,8 @@ from .errors import shaped
 
 log = logging.getLogger("mlx_cache_server.connections")
 
+START_LINE = 512  # bytes of a request kept to read its path from, should it be refused
+
 MAX_HEADER_BYTES = 32 * 1024
 MAX_HEADERS = 100
 END_MARGIN = 5.0  # seconds past the shutdown grace for failed streams to send their end
@@ -64,6 +66,8 @@ class GuardedH11(H11Protocol):
         if self._refused:
             return  # the rest of a refused request: read and dropped (see _refuse)
         if self._deadline is not None:
+            if self._header_bytes < START_LINE:  # which API a refusal answers in
+                self._start_line += data[: START_LINE - self._header_bytes]
             self._header_bytes += len(data)
         super().data_received(data)
         if self._deadline is not None and self.cycle is not self._cycle_before:
@@ -116,7 +120,7 @@ class GuardedH11(H11Protocol):
 
     def _await_headers(self) -> None:
         self._stop_deadline()
-        self._cycle_before, self._header_bytes = self.cycle, 0
+        self._cycle_before, self._header_bytes, self._start_line = self.cycle, 0, b""
         self._deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
 
     def _stop_deadline(self) -> None:
@@ -141,7 +145,10 @@ class GuardedH11(H11Protocol):
         may lose the answer; so the write side closes first and the rest of the
         request is read and dropped until the client closes, for at most a second.
         """
-        body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+        words = self._start_line.split(b"\r\n", 1)[0].split(b" ")
+        path = words[1].decode("latin-1").partition("?")[0] if len(words) > 2 else ""
+        body = error_body(message, "invalid_request_error", code=code)
+        body = json.dumps(shaped(path, status, body)).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         try:
             self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers)))

@@ -52,6 +52,19 @@ def test_headers_too_large_get_a_431_and_the_connection_closes(guarded):
     assert httpx.get(guarded.url + "/health").status_code == 200
 
 
+def test_a_refused_connection_answers_in_the_shape_of_the_api_asked(guarded):
+    with connect(guarded) as sock:
+        big = b"X-Big: " + b"a" * 200_000
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n\r\n")
+        response = read_all(sock)
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert int(head.split()[1]) == 431
+    assert json.loads(body) == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": json.loads(body)["error"]["message"]},
+    }
+
+
 def test_too_many_headers_get_a_431(guarded):
     headers = {f"x-h{i}": "1" for i in range(150)}
     r = httpx.get(guarded.url + "/health", headers=headers)
