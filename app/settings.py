@@ -109,7 +109,12 @@ def load_settings(config: Path | None, flags: dict[str, Any]) -> Settings:
         if env is not None:
             values[f.name] = env
     values.update({k: v for k, v in flags.items() if v is not None})
-    return Settings(**{k: _coerce(k, v) for k, v in values.items()})
+    settings = Settings(**{k: _coerce(k, v) for k, v in values.items()})
+    if not 0 < settings.decode_gap < float("inf"):
+        raise ValueError(
+            f"decode_gap must be a positive number of seconds, not {settings.decode_gap}"
+        )
+    return settings
 
 
 def describe_size(n: int | None) -> str:

@@ -13,7 +13,6 @@ that belongs to one request (its sampling, its admission) ends that request only
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +101,7 @@ class Batch:
         # Prefilling here holds up the batch's decoding until done: for one step's
         # worth of tokens that is what BatchGenerator does too; for more, only
         # when nobody else is running.
-        short = len(tokens) - n <= self.chunk()
+        short = len(tokens) - n <= self.chunk(joining=1)
         if alone and not request.followers and (short or not self.active):
             self._start_alone(request, cached or fresh_cache(engine.model), n, sampler, processors)
             return
@@ -163,14 +162,9 @@ class Batch:
         would stay alive while the next request's own KV is fetched and prefilled.
         """
         self.gen.prefill_step_size = self.chunk()
-        before = _counters(self.gen)
-        prefills, responses = self.gen.next()
-        after = _counters(self.gen)
-        if before is not None and after is not None:
-            if after.generation_steps > before.generation_steps:
-                self.costs.saw_decode(after.decode_time - before.decode_time)
-            tokens = after.prompt_tokens - before.prompt_tokens
-            self.costs.saw_prefill(after.prompt_time - before.prompt_time, tokens)
+        with self.gen.stats() as stats:  # mlx-lm's own counters, over this step
+            prefills, responses = self.gen.next()
+        self.costs.saw_step(stats.wall_time, stats.prompt_tokens, stats.generation_steps > 0)
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:
@@ -188,13 +182,17 @@ class Batch:
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
         self._drop_faulted()
 
-    def chunk(self) -> int:
-        """Prompt tokens the next step may prefill: within the decode gap while streams
-        decode (`chunking`), the largest chunk when none does."""
+    def chunk(self, joining: int = 0) -> int:
+        """Prompt tokens each prompt may prefill in the next step (with `joining` more about
+        to join them): within the decode gap while streams decode (`chunking`), the
+        largest chunk when none does."""
         e = self.engine
         decoding = any(not r.prefilling for r in self.active.values())
+        prompts = min(self.gen.prefill_batch_size, joining + sum(
+            1 for r in self.active.values() if r.prefilling
+        ))  # fmt: skip
         return chunk_size(
-            self.costs, decoding, e.decode_gap, e.min_prefill_chunk, e.prefill_step_size
+            self.costs, decoding, e.decode_gap, e.min_prefill_chunk, e.prefill_step_size, prompts
         )
 
     def _on_prefill(self, progress: Any) -> None:
@@ -265,9 +263,3 @@ class Batch:
         self.engine.stats.failed += 1
         for follower in followers:  # they wait for a prefix, not for this request's output
             self.engine.requeue(follower)
-
-
-def _counters(gen: BatchGenerator) -> Any:
-    """A copy of the generator's time and token counters (mlx-lm's own), if it keeps them."""
-    counters = getattr(gen, "_counters", None)
-    return copy.copy(counters) if counters is not None else None

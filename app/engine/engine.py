@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
@@ -78,6 +79,7 @@ class Engine:
             "prefill_step_size": prefill_step_size,
             "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
         }
+        self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
         self._inbox: queue.Queue[Request] = queue.Queue()
         self._stopping = threading.Event()
         self._release_asked = threading.Event()
@@ -148,10 +150,12 @@ class Engine:
             except RuntimeError:  # the loop is gone; nobody is listening
                 pass
 
-        if self.cache is not None and self.cache.disk is not None:
+        if self.cache is not None and self.cache.disk is not None and not self._closed:
             # Here, not in the engine's fetch: reading a conversation back from disk
-            # holds up no running generation.
-            await asyncio.to_thread(self.cache.load_from_disk, self.cache_key(namespace), tokens)
+            # holds up no running generation. Its own threads: a slow disk must not hold
+            # up the loop's executor, which every request's templating goes through.
+            key = self.cache_key(namespace)
+            await loop.run_in_executor(self._disk_reads, self.cache.load_from_disk, key, tokens)
         request = self.submit(tokens, params, emit, namespace)
         try:
             while True:

@@ -77,3 +77,35 @@ def test_openai_streams_keep_alive_with_comments_the_sdks_skip(server, monkeypat
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     whole = client.chat.completions.create(model="tiny", messages=ask, max_tokens=30, temperature=0)
     assert streamed == whole.choices[0].message.content
+
+
+def test_prompts_prefilled_together_beside_a_stream_share_one_steps_budget(tiny_model_dir):
+    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
+    shapes: list[tuple[int, int]] = []
+    model = engine.model
+
+    class Counting:  # the model, recording each forward pass's (prompts, tokens)
+        def __call__(self, inputs, *args, **kwargs):
+            shapes.append(tuple(inputs.shape))
+            return model(inputs, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    engine.model = Counting()
+    tokens = engine.tokenizer.encode("Tell me a long story about the sea. ")
+    no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
+    sinks: list[list[Any]] = [[] for _ in range(4)]
+    engine.start()
+    try:
+        engine.submit(tokens, SamplingParams(max_tokens=3000, logit_bias=no_end), sinks[0].append)
+        wait_until(lambda: sum(isinstance(e, Delta) for e in sinks[0]) > 3)
+        shapes.clear()
+        for i, sink in enumerate(sinks[1:]):  # three long prompts at once
+            engine.submit(((tokens * 100)[i:])[:900], SamplingParams(max_tokens=1), sink.append)
+        wait_until(lambda: all(ended(s) for s in sinks[1:]))
+    finally:
+        engine.stop()
+    prefills = [b * t for b, t in shapes if t > 1]
+    assert sum(prefills) >= 3 * 899  # all three were prefilled in these passes
+    assert max(prefills) <= engine.min_prefill_chunk  # together, within one step's least

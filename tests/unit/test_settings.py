@@ -29,3 +29,9 @@ def test_unknown_setting_is_refused(tmp_path):
     config.write_text("prot = 1\n")
     with pytest.raises(ValueError, match="unknown settings .*prot"):
         load_settings(config, {})
+
+
+@pytest.mark.parametrize("gap", ["0", "-1", "inf", "nan"])
+def test_a_decode_gap_must_be_a_positive_number_of_seconds(gap):
+    with pytest.raises(ValueError, match="decode_gap"):
+        load_settings(None, {"decode_gap": gap})
