@@ -63,7 +63,7 @@ MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still
 SUFFIX = ".safetensors"
 
 Segment = tuple[tuple[mx.array, ...], ...]
-Path_ = list[tuple[int, int, Segment]]  # (start, end, KV of [start, end)) along a path
+Runs = list[tuple[int, int, Segment]]  # (start, end, KV of [start, end)) along a path
 
 
 class DiskTierBusy(RuntimeError):
@@ -294,7 +294,7 @@ class DiskTier:
 
     # -------------------------------------------------------------- writes
 
-    def put(self, model: Hashable, key: bytes, path: Path_, layout: str) -> None:
+    def put(self, model: Hashable, key: bytes, path: Runs, layout: str) -> None:
         """Queue the KV of `key`'s path (its segments, in order) for writing.
 
         Written behind, and only what the disk lacks of the path by then.
@@ -362,7 +362,7 @@ class DiskTier:
                 with self._lock:
                     self.stats.pending -= 1
 
-    def _write(self, ns: str, epoch: tuple[int, int], key: bytes, path: Path_, layout: str) -> None:
+    def _write(self, ns: str, epoch: tuple[int, int], key: bytes, path: Runs, layout: str) -> None:
         n = len(key) // TOKEN
         with self._lock:
             if self._epoch(ns) != epoch:
