@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import json
 import logging
 import os
@@ -272,7 +271,10 @@ class DiskTier:
         if len(data) != f.nbytes or _checksum(data) != f.digest:
             return self._bad(f, "does not match its checksum")
         try:
-            arrays = mx.load(io.BytesIO(data), format="safetensors")
+            # From the path, not from the bytes just checked: MLX reading a Python file
+            # object takes the GIL under its allocator's lock, and another thread's
+            # mx.clear_cache() (the engine releasing memory) then deadlocks with it.
+            arrays = mx.load(str(path))
         except Exception as e:  # a file MLX cannot parse is as bad as a corrupt one
             return self._bad(f, f"cannot be parsed ({e})")
         layers: list[list[mx.array]] = []

@@ -202,3 +202,42 @@ def test_one_process_per_folder_and_a_smaller_budget_on_restart(tmp_path):
     one = (len(SYSTEM) + 1) * BYTES_PER_TOKEN
     again = tiered(tmp_path, disk_bytes=one + 2000)
     assert again.disk.nbytes <= one + 2000 and again.disk.stats.files == 1
+
+
+LOADS_BESIDE_CLEAR_CACHE = """
+import sys, tempfile, threading
+import mlx.core as mx
+sys.path.insert(0, sys.argv[1])
+from prompt_cache import PackedTokens, PromptCache
+from prompt_cache.disk import DiskTier
+from tests.fakes import kv_cache
+seq = list(range(100, 400))
+root = tempfile.mkdtemp()
+cache = PromptCache(64, None, disk=DiskTier(root, "fp", 1 << 30))
+cache.insert("m", seq, kv_cache(seq))
+cache.disk.close()
+disk = DiskTier(root, "fp", 1 << 30)
+done = threading.Event()
+def loads():
+    for _ in range(200):
+        assert disk.load("m", PackedTokens.of(seq), 0, len(seq)) is not None
+    done.set()
+threading.Thread(target=loads, daemon=True).start()
+while not done.is_set():
+    mx.clear_cache()  # what the engine thread does when it releases memory
+print("ok")
+"""
+
+
+def test_a_load_beside_the_engine_releasing_memory_never_deadlocks(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "loads.py"
+    script.write_text(LOADS_BESIDE_CLEAR_CACHE)
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, str(script), root], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
