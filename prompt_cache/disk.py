@@ -50,12 +50,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .radix import TOKEN, Node, add_child, detach, iter_nodes, split, walk
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what a file holds changes meaning
+FORMAT = 2  # bump when what a file holds changes meaning (2: checksums over the arrays)
 HEADER_SLACK = 1024  # bytes reserved for a file's header, plus ENTRY_SLACK per array
 ENTRY_SLACK = 128
 MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still has them)
@@ -265,18 +266,17 @@ class DiskTier:
     def _read(self, f: DiskFile) -> list[list[mx.array]] | None:
         path = self.folder / (f.name + SUFFIX)
         try:
-            data = path.read_bytes()
-        except OSError as e:
-            return self._bad(f, f"cannot be read ({e})")
-        if len(data) != f.nbytes or _checksum(data) != f.digest:
-            return self._bad(f, "does not match its checksum")
-        try:
-            # From the path, not from the bytes just checked: MLX reading a Python file
-            # object takes the GIL under its allocator's lock, and another thread's
-            # mx.clear_cache() (the engine releasing memory) then deadlocks with it.
+            if path.stat().st_size != f.nbytes:
+                return self._bad(f, "is not the size it was written at")
+            # MLX reads the file itself, once: through a Python file object it would take
+            # the GIL under its allocator's lock, and another thread's mx.clear_cache()
+            # (the engine releasing memory) then deadlocks with it.
             arrays = mx.load(str(path))
-        except Exception as e:  # a file MLX cannot parse is as bad as a corrupt one
-            return self._bad(f, f"cannot be parsed ({e})")
+            mx.eval(list(arrays.values()))
+        except Exception as e:  # a file that cannot be read or parsed is as bad as corrupt
+            return self._bad(f, f"cannot be read ({e})")
+        if _checksum(arrays) != f.digest:
+            return self._bad(f, "does not match its checksum")
         layers: list[list[mx.array]] = []
         for name in sorted(arrays, key=lambda n: tuple(map(int, n.split(".")))):
             li, _ = map(int, name.split("."))
@@ -399,11 +399,11 @@ class DiskTier:
             meta = {"format": str(FORMAT), "start": str(have), "end": str(n)}
             mx.save_safetensors(str(tmp), arrays, metadata=meta)
             os.chmod(tmp, 0o600)
-            data = tmp.read_bytes()
-            if len(data) > reserve:
-                raise OSError(f"a {len(data)}-byte file over its {reserve}-byte reservation")
+            size = tmp.stat().st_size
+            if size > reserve:
+                raise OSError(f"a {size}-byte file over its {reserve}-byte reservation")
             os.replace(tmp, final)
-            f = DiskFile(name, ns, have, n, len(data), _checksum(data))
+            f = DiskFile(name, ns, have, n, size, _checksum(arrays))
         except Exception as e:  # a full disk, a folder gone: the RAM tier still has it
             log.warning("cannot write a cache segment to disk: %s", e)
         finally:
@@ -551,7 +551,15 @@ def _join(pieces: list[Segment]) -> Segment:
     )
 
 
-def _checksum(data: bytes) -> str:
-    # Against disks and crashes, not attackers (the folder is the owner's alone): CRC-32
-    # reads at memory speed, where a cryptographic hash would halve the load bandwidth.
-    return f"crc32:{zlib.crc32(data):08x}"
+def _checksum(arrays: dict[str, mx.array]) -> str:
+    """CRC-32 of the arrays' bytes, in name order: what a load would serve.
+
+    Against disks and crashes, not attackers (the folder is the owner's alone): CRC-32
+    runs at memory speed, where a cryptographic hash would halve the load bandwidth;
+    over the arrays, not the file, so the file is read once (by MLX).
+    """
+    crc = 0
+    for name in sorted(arrays):
+        # As bytes: numpy has no bfloat16, and the buffer is all a checksum needs.
+        crc = zlib.crc32(np.asarray(arrays[name].view(mx.uint8)), crc)
+    return f"crc32:{crc:08x}"

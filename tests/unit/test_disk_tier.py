@@ -241,3 +241,21 @@ def test_a_load_beside_the_engine_releasing_memory_never_deadlocks(tmp_path):
         [sys.executable, str(script), root], capture_output=True, text=True, timeout=120
     )
     assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_half_precision_segments_round_trip(tmp_path):
+    import mlx.core as mx
+
+    seq = SYSTEM + [1, 2]
+    kv = kv_cache(seq)
+    for layer in kv:
+        layer.keys, layer.values = layer.keys.astype(mx.bfloat16), layer.values.astype(mx.bfloat16)
+    cache = tiered(tmp_path)
+    cache.insert("m", seq, kv)
+    cache.disk.close()
+    found = tiered(tmp_path).fetch("m", seq + [0])
+    assert found.n_cached == len(seq) and found.cache[0].keys.dtype == mx.bfloat16
+    for got, want in zip(found.cache, kv, strict=True):  # numpy has no bfloat16: compare wider
+        for a, b in ((got.keys, want.keys), (got.values, want.values)):
+            assert mx.array_equal(a[..., : len(seq), :].astype(mx.float32),
+                                  b[..., : len(seq), :].astype(mx.float32)).item()  # fmt: skip
