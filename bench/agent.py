@@ -44,8 +44,6 @@ from openai import AsyncOpenAI
 from app.models.default_model import default_model_dir
 from app.serving.tools import calls_as_text
 
-PEER_MODEL = ""  # mlx_lm.server serves the model by its path: set in main
-
 TOOLS = {
     "Read": {"file_path": "string", "offset": "integer", "limit": "integer"},
     "Grep": {"pattern": "string", "path": "string", "glob": "string"},
@@ -220,11 +218,11 @@ async def via_responses(port: int, request: dict, max_tokens: int, out: Turn) ->
     out.cached_tokens = usage.input_tokens_details.cached_tokens
 
 
-async def via_chat(port: int, messages: list[dict], max_tokens: int, out: Turn) -> None:
+async def via_chat(port: int, request: dict, max_tokens: int, out: Turn) -> None:
     client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=PEER_MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        **request, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
     async for chunk in stream:
@@ -237,7 +235,7 @@ async def via_chat(port: int, messages: list[dict], max_tokens: int, out: Turn) 
     out.ttft = out.ttft or time.perf_counter() - t0
 
 
-async def run(args, ports: dict[str, int], system: str) -> list[Turn]:
+async def run(args, ports: dict[str, int], system: str, model: str) -> list[Turn]:
     turns: list[Turn] = []
     rng = random.Random(1)
     for session in range(args.sessions):
@@ -254,13 +252,14 @@ async def run(args, ports: dict[str, int], system: str) -> list[Turn]:
                 ("messages", "peer"): (
                     via_chat,
                     ports["peer"],
-                    chat_messages(system, head, s, upto),
+                    # mlx_lm.server serves the model by its path
+                    {"model": model, "messages": chat_messages(system, head, s, upto)},
                 ),
                 ("responses", "ours"): (via_responses, ports["ours"], responses),
                 ("responses", "peer"): (
                     via_chat,
                     ports["peer"],
-                    chat_messages(system, None, s, upto),
+                    {"model": model, "messages": chat_messages(system, None, s, upto)},
                 ),
             }
             order = list(sends)
@@ -353,8 +352,6 @@ def main() -> None:
         print(json.dumps(saved["summary"], indent=1))
         return
     model = args.model or str(default_model_dir())
-    global PEER_MODEL
-    PEER_MODEL = model
     system = system_text(args.system_words)
     budget = 2 * 1024**3
     with (
@@ -363,7 +360,7 @@ def main() -> None:
         running("peer", model, 64, budget) as peer,
     ):
         ports = {"ours": ours.port, "ours-strip": strip.port, "peer": peer.port}
-        turns = asyncio.run(run(args, ports, system))
+        turns = asyncio.run(run(args, ports, system, model))
     summary = summarize(turns)
     summary["settings"] = {k: str(v) for k, v in vars(args).items()}
     summary["peak_rss_mib"] = {
