@@ -62,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds running streams should wait at most while prompts prefill (default 0.8)",
     )
+    serve.add_argument(
+        "--kv-bits",
+        type=int,
+        help="keep the KV cache quantized to 4 or 8 bits: 2-4x more context in the same budgets",
+    )
+    serve.add_argument(
+        "--kv-group-size", type=int, help="values per quantization group of --kv-bits (64)"
+    )
     serve.add_argument("--log-level", help="debug, info, warning or error")
     serve.add_argument(
         "--api-key",
@@ -175,7 +183,11 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     unmap_large_blocks()  # before the model's buffers are allocated
     limit_buffer_pool()
-    engine = build_engine(settings, model_path)
+    try:
+        engine = build_engine(settings, model_path)
+    except ValueError as e:  # settings this model cannot run with (--kv-bits, say)
+        print(f"mlx-cache-server: {e}", file=sys.stderr)
+        return 2
     blas, fast = describe_blas()
     log.info(
         "model %s (%s, %s weights) on %s; context %d tokens",
@@ -193,9 +205,12 @@ def serve(args: argparse.Namespace) -> int:
         log.info("prompt cache: off (--no-cache)")
     else:
         log.info(
-            "prompt cache: at most %d sequences, %s",
+            "prompt cache: at most %d sequences, %s, %s",
             settings.cache_max_sequences,
             describe_size(settings.cache_max_bytes),
+            "full-precision KV"
+            if settings.kv_bits is None
+            else f"{settings.kv_bits}-bit KV in groups of {settings.kv_group_size}",
         )
         disk = engine.cache.disk
         if disk is not None:

@@ -45,6 +45,8 @@ class Settings:
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    kv_bits: int | None = None  # quantize the KV cache to this many bits; None: as the model
+    kv_group_size: int = 64
     decode_gap: float = 0.8  # seconds a decoding stream should wait at most while prompts prefill
     log_level: str = "info"
     # Protection

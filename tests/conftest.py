@@ -32,6 +32,13 @@ def tiny_tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_kv_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with heads of 32 values, the smallest group mx.quantize takes (for
+    `--kv-bits`; the default tiny model's heads are 16)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-kv"), hidden_size=128)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path):
     from mlx_lm import load
 

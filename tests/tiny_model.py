@@ -85,15 +85,16 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def build_tiny_model(path: Path, seed: int = 0, chat_template: str = CHATML) -> Path:
-    """Write the model folder to `path` (created) and return it."""
+def build_tiny_model(path: Path, seed: int = 0, chat_template: str = CHATML, **config: int) -> Path:
+    """Write the model folder to `path` (created) and return it; `config` overrides CONFIG."""
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    config = {**CONFIG, **config}
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     # Larger than default init so logits are far from ties and outputs vary.
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(CONFIG))
+    (path / "config.json").write_text(json.dumps(config))
     build_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -104,7 +105,7 @@ def build_tiny_model(path: Path, seed: int = 0, chat_template: str = CHATML) -> 
                 "pad_token": "<|endoftext|>",
                 "unk_token": UNK,
                 "chat_template": chat_template,
-                "model_max_length": CONFIG["max_position_embeddings"],
+                "model_max_length": config["max_position_embeddings"],
             }
         )
     )

@@ -206,33 +206,13 @@ class Batch:
             self._release(request)
 
     def _deliver(self, request: Request, token: int, logprobs: mx.array, finish, state) -> bool:
-        """Send one generated token on; when it ends the request, cache its KV and say so."""
-        delta, reason = next_output(request, self.engine.tokenizer, token, logprobs, finish)
-        if reason is None:
-            if delta.text or delta.logprobs:
-                request.emit(delta)
+        if not deliver(self.engine, request, token, logprobs, finish, state):
             return False
-        # The client hears the end first; the cache insert follows on this same thread,
-        # so no later request can be admitted before it is done.
-        kv = state()
-        if delta.text or delta.logprobs:
-            request.emit(delta)
-        request.end(Finished(reason, request.generated, request.stops.matched))
         self.active.pop(request.uid, None)
-        self.engine.stats.finished += 1
-        self._store(request, kv)
         return True
 
     def _store(self, request: Request, state: State | None) -> None:
-        """Put a sequence's KV into the cache, for the next turn or for waiting requests."""
-        cache = self.engine.cache
-        if cache is None or state is None or not state[0] or not state[1]:
-            return
-        kv, tokens = state
-        try:
-            cache.insert(request.cache_key, request.state_key(tokens), kv)
-        except ValueError as e:  # never worth failing a request over
-            log.warning("not caching a sequence of %d tokens: %s", len(tokens), e)
+        store(self.engine, request, state)
 
     # ----------------------------------------------------------------- exits
 
@@ -263,3 +243,35 @@ class Batch:
         self.engine.stats.failed += 1
         for follower in followers:  # they wait for a prefix, not for this request's output
             self.engine.requeue(follower)
+
+
+def deliver(
+    engine: Engine, request: Request, token: int, logprobs: mx.array, finish, state
+) -> bool:
+    """Send one generated token on; when it ends the request, cache its KV and say so."""
+    delta, reason = next_output(request, engine.tokenizer, token, logprobs, finish)
+    if reason is None:
+        if delta.text or delta.logprobs:
+            request.emit(delta)
+        return False
+    # The client hears the end first; the cache insert follows on this same thread,
+    # so no later request can be admitted before it is done.
+    kv = state()
+    if delta.text or delta.logprobs:
+        request.emit(delta)
+    request.end(Finished(reason, request.generated, request.stops.matched))
+    engine.stats.finished += 1
+    store(engine, request, kv)
+    return True
+
+
+def store(engine: Engine, request: Request, state: State | None) -> None:
+    """Put a sequence's KV into the cache, for the next turn or for waiting requests."""
+    cache = engine.cache
+    if cache is None or state is None or not state[0] or not state[1]:
+        return
+    kv, tokens = state
+    try:
+        cache.insert(request.cache_key, request.state_key(tokens), kv)
+    except ValueError as e:  # never worth failing a request over
+        log.warning("not caching a sequence of %d tokens: %s", len(tokens), e)

@@ -29,6 +29,7 @@ from .batch import Batch
 from .constraint import GrammarTokenizer
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
 from .request import Request, with_followers
+from .solo import Solo
 
 log = logging.getLogger("mlx_cache_server.engine")
 
@@ -53,6 +54,8 @@ class Engine:
         release_after: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         generation_config: dict[str, Any] | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -68,6 +71,7 @@ class Engine:
         self.clock = clock
         self.generation_config = generation_config or {}  # the model's sampling values
         self.completion_batch_size = completion_batch_size
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size  # None: full-precision KV
         args = getattr(model, "args", None)
         self.vocab_size: int = getattr(args, "vocab_size", None) or len(tokenizer.vocab)
         # Most characters one token stands for: bounds a prompt's tokens from its length.
@@ -179,14 +183,14 @@ class Engine:
                 self.stats.failed += 1
 
     def _loop(self) -> None:
-        batch: Batch | None = None
+        batch: Batch | Solo | None = None
         idle_since: float | None = None  # set when the last request ended; None once released
         while not self._stopping.is_set():
             new: list[Request] = []
             try:
                 new = self._take(block=batch is None or not batch.active)
                 if new:
-                    batch = batch or Batch(self)
+                    batch = batch or self._new_batch()
                     batch.intake(new)
                 if batch is not None and batch.active:
                     idle_since = None
@@ -225,6 +229,11 @@ class Engine:
         if batch is not None:
             batch.close()
         mx.synchronize()  # finish the cache's asynchronous copies before the thread ends
+
+    def _new_batch(self) -> Batch | Solo:
+        if self.kv_bits is None:
+            return Batch(self)
+        return Solo(self, self.kv_group_size, self.kv_bits)
 
     def _take(self, block: bool) -> list[Request]:
         taken = []

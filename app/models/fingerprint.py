@@ -4,7 +4,8 @@ KV computed by one model is garbage to another, and even to the same weights in
 another dtype or under another cache layout. The fingerprint covers the weights
 (every file's name, size and modification time, and samples of its data: a
 fine-tune changes them all), the dtype the weights are served in, the layer
-cache types the model builds, MLX's and mlx-lm's versions and the disk format's.
+cache types the model builds and the KV's quantization, MLX's and mlx-lm's versions
+and the disk format's.
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ SAMPLES = 16  # chunks of each weights file hashed, spread evenly
 SAMPLE_BYTES = 64 * 1024
 
 
-def kv_fingerprint(folder: Path | None, model_id: str, model: Any) -> str:
+def kv_fingerprint(
+    folder: Path | None, model_id: str, model: Any, kv: dict[str, Any] | None = None
+) -> str:
+    """`kv`: how the KV is kept beyond the model's own layers (its quantization)."""
     h = hashlib.blake2b(digest_size=16)
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     layers = [type(c).__name__ for c in make_prompt_cache(model)]
     facts = {"format": FORMAT, "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
              "dtypes": dtypes, "layers": layers}  # fmt: skip
+    if kv and kv.get("bits") is not None:  # unquantized keeps the fingerprints it had
+        facts["kv"] = kv
     h.update(json.dumps(facts, sort_keys=True).encode())
     if folder is None:  # nothing on disk to read: the name has to do
         h.update(model_id.encode())

@@ -17,6 +17,7 @@ from prompt_cache import PromptCache
 from prompt_cache.disk import DiskTier, DiskTierBusy
 
 from ..engine import Engine
+from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
 from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
@@ -155,12 +156,15 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or _context_length(model)
     model_id = settings.served_model_name or _model_id(model_path)
+    if settings.kv_bits is not None:
+        check_quantized(model, settings.kv_group_size, settings.kv_bits)
     cache = None
     if not settings.no_cache:
         disk = None
         if settings.cache_dir:
             root = Path(settings.cache_dir).expanduser()
-            fingerprint = kv_fingerprint(folder, model_path, model)
+            kv = {"bits": settings.kv_bits, "group_size": settings.kv_group_size}
+            fingerprint = kv_fingerprint(folder, model_path, model, kv)
             try:
                 disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
             except DiskTierBusy as e:  # two servers writing one index would corrupt it
@@ -177,6 +181,8 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         prefill_step_size=settings.prefill_step_size,
         decode_gap=settings.decode_gap,
         generation_config=model_config,
+        kv_bits=settings.kv_bits,
+        kv_group_size=settings.kv_group_size,
     )
 
 

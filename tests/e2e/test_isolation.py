@@ -93,11 +93,14 @@ POISONS = {
 
 
 @pytest.mark.parametrize("poison", list(POISONS))
-@pytest.mark.parametrize("no_cache", [True, False])
+@pytest.mark.parametrize(("no_cache", "kv_bits"), [(True, None), (False, None), (False, 8)])
 def test_a_poisoned_request_joining_running_streams_fails_alone(
-    tiny_model_dir, faulty, poison, no_cache
+    tiny_model_dir, tiny_kv_model_dir, faulty, poison, no_cache, kv_bits
 ):
-    engine = build_engine(Settings(no_cache=no_cache), str(tiny_model_dir))
+    # With kv_bits the requests take turns (`solo`) instead of sharing mlx-lm's batch.
+    model = tiny_model_dir if kv_bits is None else tiny_kv_model_dir
+    settings = Settings(no_cache=no_cache, kv_bits=kv_bits, kv_group_size=32)
+    engine = build_engine(settings, str(model))
     engine.start()
     try:
         prompts = [prompt(engine.tokenizer, q) for q in QUESTIONS]

@@ -63,6 +63,7 @@ class CacheReport(BaseModel):
     enabled: bool
     max_sequences: int | None = None
     max_bytes: int | None = None
+    kv_bits: int | None = None  # the KV's quantization (`--kv-bits`); None: full precision
     sequences: int = 0
     bytes: int = 0
     models: list[ModelCacheStats] = []
@@ -113,6 +114,7 @@ async def cache_stats(state: State) -> CacheReport:
         enabled=True,
         max_sequences=cache.max_sequences,
         max_bytes=cache.byte_budget,
+        kv_bits=state.engine.kv_bits,
         sequences=len(cache),
         bytes=cache.nbytes,
         models=models,
