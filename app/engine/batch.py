@@ -1,14 +1,17 @@
 """The running batch: admission into mlx-lm's `BatchGenerator`, its steps, and exits.
 
-Owned by the engine thread alone. A request enters through `intake` (planned by
-`admission.plan_admission`), is prefilled on its own (`prefill.prefill_alone`)
-or with others by the generator, yields one token per step (`output`), and
-leaves finished, stopped, cancelled or failed; its KV goes into the prompt cache
-on the way out, and a shared prefix as soon as it is prefilled.
+Owned by the engine thread alone. A request enters through `intake` and waits in
+`queue` until `schedule.choose` starts it (shortest prompt first, with a bounded
+wait); admitted (planned by `admission.plan_admission`), it is prefilled on its
+own (`prefill.prefill_alone`) or with others by the generator, yields one token
+per step (`output`), and leaves finished, stopped, cancelled or failed; its KV goes
+into the prompt cache on the way out, and a shared prefix as soon as it is prefilled.
 
 Invariants: `active` maps the generator's uid of every admitted, unended request
-to it; a request that leaves `active` has been ended (`Request.end`); a failure
-that belongs to one request (its sampling, its admission) ends that request only.
+to it; `queue` holds the requests taken and not yet admitted, with when they came;
+a request that leaves `active` or `queue` has been ended (`Request.end`) or
+admitted; a failure that belongs to one request (its sampling, its admission) ends
+that request only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .events import Failed, Finished, Started
 from .output import next_output
 from .prefill import prefill_alone
 from .request import Request, with_followers
+from .schedule import Waiting, choose
 from .text import StopMatcher
 
 if TYPE_CHECKING:
@@ -42,17 +46,47 @@ class Batch:
         self.engine = engine
         self.gen = BatchGenerator(engine.model, **engine.batch_args)
         self.active: dict[int, Request] = {}
+        self.queue: list[tuple[Request, float]] = []
         self.costs = StepCosts()
 
     def close(self) -> None:
         self.gen.close()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.queue)
+
     def everyone(self) -> list[Request]:
-        return with_followers(list(self.active.values()))
+        return with_followers([*self.active.values(), *(r for r, _ in self.queue)])
 
     # -------------------------------------------------------------- entering
 
     def intake(self, new: list[Request]) -> None:
+        now = self.engine.clock()
+        self.queue += [(request, now) for request in new]
+        self._start_queued()
+
+    def _start_queued(self) -> None:
+        """Admit the queued requests `schedule.choose` starts now; with nothing left
+        running, more until something runs or nothing waits."""
+        while self.queue:
+            prefilling = [r.left for r in self.active.values() if r.prefilling]
+            line = [Waiting(r, self._uncached(r), t) for r, t in self.queue]
+            chosen = choose(line, prefilling, self.chunk(budget=True), self.engine.clock(),
+                            self.engine.max_prefill_wait)  # fmt: skip
+            if not chosen:
+                return
+            self.queue = [(r, t) for r, t in self.queue if all(r is not c for c in chosen)]
+            self._plan(chosen)
+            if self.active:
+                return
+
+    def _uncached(self, request: Request) -> int:
+        cache = self.engine.cache
+        held = cache.peek(request.cache_key, request.packed)[1] if cache is not None else 0
+        return len(request.tokens) - held
+
+    def _plan(self, new: list[Request]) -> None:
         cache = self.engine.cache
         if cache is None:
             for request in new:
@@ -99,10 +133,10 @@ class Batch:
         engine.stats.admitted += 1
         request.emit(Started(prompt_tokens=len(tokens), cached_tokens=n))
         # Prefilling here holds up the batch's decoding until done: for one step's
-        # worth of tokens that is what BatchGenerator does too; for more, only
-        # when nobody else is running.
+        # worth of tokens that is what BatchGenerator does too. A longer prompt goes in
+        # chunks, so that shorter ones arriving meanwhile can start beside it.
         short = len(tokens) - n <= self.chunk(joining=1)
-        if alone and not request.followers and (short or not self.active):
+        if alone and not request.followers and short:
             self._start_alone(request, cached or fresh_cache(engine.model), n, sampler, processors)
             return
         segments = [tokens[n:]]
@@ -117,6 +151,7 @@ class Batch:
             logits_processors=[processors],
         )
         request.prefilling = True
+        request.left = len(tokens) - n
         self.active[request.uid] = request
 
     def _start_alone(self, request: Request, cache: list, n: int, sampler, processors) -> None:
@@ -161,6 +196,9 @@ class Batch:
         sequence's response holds its whole KV, which, left in a loop variable,
         would stay alive while the next request's own KV is fetched and prefilled.
         """
+        self._start_queued()
+        if not self.active:
+            return
         self.gen.prefill_step_size = self.chunk()
         with self.gen.stats() as stats:  # mlx-lm's own counters, over this step
             prefills, responses = self.gen.next()
@@ -182,13 +220,13 @@ class Batch:
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
         self._drop_faulted()
 
-    def chunk(self, joining: int = 0) -> int:
+    def chunk(self, joining: int = 0, budget: bool = False) -> int:
         """Prompt tokens each prompt may prefill in the next step (with `joining` more about
         to join them): within the decode gap while streams decode (`chunking`), the
-        largest chunk when none does."""
+        largest chunk when none does. `budget`: what all the step's prompts share."""
         e = self.engine
         decoding = any(not r.prefilling for r in self.active.values())
-        prompts = min(self.gen.prefill_batch_size, joining + sum(
+        prompts = 1 if budget else min(self.gen.prefill_batch_size, joining + sum(
             1 for r in self.active.values() if r.prefilling
         ))  # fmt: skip
         return chunk_size(
@@ -199,6 +237,8 @@ class Batch:
         request = self.active.get(progress.uid)
         if request is None:
             return
+        done, total = progress.progress
+        request.left = total - done
         if progress.end_of_prompt:
             request.prefilling = False
         if request.followers and (progress.end_of_segment or progress.end_of_prompt):
@@ -217,6 +257,10 @@ class Batch:
     # ----------------------------------------------------------------- exits
 
     def drop_cancelled(self) -> None:
+        for request, _ in self.queue:
+            if request.cancelled:
+                request.end(Finished("cancelled", 0))
+        self.queue = [(r, t) for r, t in self.queue if not r.cancelled]
         gone = [uid for uid, request in self.active.items() if request.cancelled]
         if not gone:
             return

@@ -51,6 +51,7 @@ class Engine:
         decode_gap: float = 0.8,
         min_prefill_chunk: int = 32,
         min_shared_prefix: int = 32,
+        max_prefill_wait: float = 10.0,
         release_after: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         generation_config: dict[str, Any] | None = None,
@@ -67,6 +68,8 @@ class Engine:
         # While streams decode, a step that also prefills aims to take at most this long.
         self.decode_gap = decode_gap
         self.min_prefill_chunk = min(min_prefill_chunk, prefill_step_size)
+        # Seconds a prompt may wait while shorter ones go first (`schedule`).
+        self.max_prefill_wait = max_prefill_wait
         self.release_after = release_after  # idle seconds before pooled memory goes back
         self.clock = clock
         self.generation_config = generation_config or {}  # the model's sampling values
@@ -188,16 +191,16 @@ class Engine:
         while not self._stopping.is_set():
             new: list[Request] = []
             try:
-                new = self._take(block=batch is None or not batch.active)
+                new = self._take(block=batch is None or not batch.busy)
                 if new:
                     batch = batch or self._new_batch()
                     batch.intake(new)
-                if batch is not None and batch.active:
+                if batch is not None and batch.busy:
                     idle_since = None
                     batch.drop_cancelled()
-                    if batch.active:
+                    if batch.busy:
                         batch.step()
-                    if not batch.active:  # the last request just left
+                    if not batch.busy:  # the last request just left
                         memory.trim_heap()
                         idle_since = self.clock()
                 elif self._release_asked.is_set() or (

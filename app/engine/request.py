@@ -35,6 +35,7 @@ class Request:
     detok: Any = None
     stops: StopMatcher | None = None
     prefilling: bool = False
+    left: int = 0  # while prefilling: prompt tokens not yet run
     boundary: int = 0  # tokens of a prefix shared with waiting requests, cached once prefilled
     followers: list[Request] = field(default_factory=list)  # waiting for that prefix
     fault: Exception | None = None  # raised by this request's own sampler or processors

@@ -107,6 +107,10 @@ class Solo:
         self.runs.clear()
         self.active.clear()
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.active)
+
     def everyone(self) -> list[Request]:
         return list(self.active.values())
 

@@ -161,5 +161,7 @@ def test_a_long_lone_prompt_is_prefilled_in_steps(tiny_model_dir):
     engine.model = counting = CountingModel(engine.model)
     (lone,) = collect(engine, [p], params, together=False)
     assert text(lone) == text(batched)
-    steps = [16] * (len(p) // 16) + ([len(p) % 16] if len(p) % 16 else [])
-    assert counting.calls[: len(steps)] == steps and set(counting.calls[len(steps) :]) == {1}
+    # Longer than a step: in the batch's chunks (a prompt arriving meanwhile can start
+    # beside it, `schedule`), all but its last token, which the first decode step runs.
+    chunks = [n for n in counting.calls if n > 1]
+    assert sum(chunks) == len(p) - 1 and max(chunks) == 16

@@ -1,0 +1,77 @@
+"""Which waiting prompts start prefilling now: shortest remaining first, with a bounded wait.
+
+Prompts that arrive together (chats opening at once, an agent's long context beside
+short questions) all wait for their first token, and what each waits is the prefill
+of every prompt run before or beside it. Run shortest first, most of them wait only
+for short ones: the median TTFT is the least any order gives (SRPT). Run side by
+side, as mlx-lm's `BatchGenerator` would run all it is given, each waits for all;
+worse, its batched prefill pads every prompt of a step to the longest chunk.
+
+So prompts start in line, shortest first, and a prompt starts beside those
+prefilling only if it finishes within its share of one step (a short question next
+to a long context waits one step, not the whole context), or if it is shorter than
+the one prompt prefilling (the two share the steps until the shorter is done: as
+near to running it first as `BatchGenerator`, which gives every prompt in a step
+the same chunk, allows). A step's prompts share its token budget, so their padding
+costs nothing extra. A prompt that has waited `max_wait` seconds goes ahead of any
+shorter one (oldest first), and nothing starts beside a running prompt while it
+waits: a long prompt waits at most `max_wait` plus the prefills already running.
+
+Pure policy: `choose` decides from token counts and times; the batch carries it out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Waiting(Generic[R]):
+    item: R
+    remaining: int  # prompt tokens the cache does not hold
+    arrived: float  # seconds, on the clock `now` is read from
+
+
+def in_line(waiting: Sequence[Waiting[R]], now: float, max_wait: float) -> list[Waiting[R]]:
+    """The order prompts start in: those waited `max_wait` first, oldest first; then
+    shortest remaining first, ties in arrival order."""
+
+    def key(w: Waiting[R]) -> tuple[int, float, float]:
+        if now - w.arrived >= max_wait:
+            return (0, w.arrived, 0)
+        return (1, w.remaining, w.arrived)
+
+    return sorted(waiting, key=key)
+
+
+def choose(
+    waiting: Sequence[Waiting[R]],
+    prefilling: Sequence[int],
+    budget: int,
+    now: float,
+    max_wait: float,
+) -> list[R]:
+    """The waiting prompts to start now, in order.
+
+    `prefilling`: tokens left of each prompt prefilling already; `budget`: prompt
+    tokens one step may prefill, shared by the prompts prefilled in it.
+    """
+    line = in_line(waiting, now, max_wait)
+    if not line:
+        return []
+    if prefilling and now - line[0].arrived >= max_wait:
+        return []  # it goes next: nobody starts ahead of it
+    chosen = [] if prefilling else [line[0]]
+    for w in line[len(chosen) :]:
+        # In line order each is the longest so far: if it finishes within its share
+        # of the step, so do the ones before it.
+        if w.remaining > budget // (len(prefilling) + len(chosen) + 1):
+            break
+        chosen.append(w)
+    if not chosen and len(prefilling) == 1 and line[0].remaining < prefilling[0]:
+        chosen = [line[0]]  # shorter than the one prefilling: the two share the steps
+    return [w.item for w in chosen]

@@ -1,0 +1,65 @@
+"""The prefill order (`app.engine.schedule`): shortest first, short ones beside long ones,
+and a bounded wait for long ones. Token counts and a clock stand in for a real engine."""
+
+from __future__ import annotations
+
+from app.engine.schedule import Waiting, choose, in_line
+
+BUDGET = 512
+MAX_WAIT = 10.0
+
+
+def waiting(*remaining: int, arrived: float = 0.0) -> list[Waiting[str]]:
+    return [Waiting(f"p{i}", r, arrived + i * 0.001) for i, r in enumerate(remaining)]
+
+
+def test_with_nothing_prefilling_the_shortest_starts_first():
+    assert choose(waiting(3000, 900, 2000), [], BUDGET, now=1.0, max_wait=MAX_WAIT) == ["p1"]
+
+
+def test_prompts_that_finish_in_one_step_start_together_within_its_budget():
+    line = waiting(40, 60, 100, 150, 3000)
+    # 4 x 150 > 512: the fourth would not finish in its share of the step.
+    assert choose(line, [], BUDGET, now=1.0, max_wait=MAX_WAIT) == ["p0", "p1", "p2"]
+
+
+def test_a_short_prompt_starts_beside_a_long_prefill_instead_of_waiting_for_it():
+    assert choose(waiting(200), [5000], BUDGET, now=1.0, max_wait=MAX_WAIT) == ["p0"]
+    # More than its share of one step, but shorter than the prefill: the two share steps.
+    assert choose(waiting(1500), [5000], BUDGET, now=1.0, max_wait=MAX_WAIT) == ["p0"]
+
+
+def test_a_prompt_longer_than_the_one_prefilling_waits_for_it():
+    assert choose(waiting(6000), [5000], BUDGET, now=1.0, max_wait=MAX_WAIT) == []
+    # Beside two prefills only what finishes within its share of one step starts.
+    assert choose(waiting(1500), [5000, 4000], BUDGET, now=1.0, max_wait=MAX_WAIT) == []
+
+
+def test_a_long_prompt_waits_at_most_max_wait_however_many_short_ones_arrive():
+    long = Waiting("long", 8000, arrived=0.0)
+    clock = 0.0
+    for arrival in range(100):  # a short prompt arrives every second
+        clock = float(arrival)
+        line = [long, Waiting(f"short{arrival}", 100, arrived=clock)]
+        started = choose(line, [], BUDGET, now=clock, max_wait=MAX_WAIT)
+        if "long" in started:
+            break
+        assert started == [f"short{arrival}"]
+    assert clock == MAX_WAIT
+    assert started[0] == "long"
+
+
+def test_nothing_starts_beside_a_prefill_while_an_overdue_prompt_waits():
+    line = [Waiting("old", 9000, arrived=0.0), Waiting("new", 10, arrived=19.0)]
+    assert choose(line, [4000], BUDGET, now=20.0, max_wait=MAX_WAIT) == []
+    assert choose(line, [], BUDGET, now=20.0, max_wait=MAX_WAIT)[0] == "old"
+
+
+def test_overdue_prompts_go_oldest_first_then_shortest_first_ties_by_arrival():
+    line = [Waiting("a", 500, 5.0), Waiting("b", 900, 1.0), Waiting("c", 100, 18.0),
+            Waiting("d", 100, 17.0)]  # fmt: skip
+    assert [w.item for w in in_line(line, now=20.0, max_wait=10.0)] == ["b", "a", "d", "c"]
+
+
+def test_nothing_waiting_nothing_starts():
+    assert choose([], [100], BUDGET, now=0.0, max_wait=MAX_WAIT) == []
