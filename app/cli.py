@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-bits",
         type=int,
-        help="keep the KV cache quantized to 4 or 8 bits: 2-4x more context in the same budgets",
+        help="keep the KV cache quantized to 8 or 4 bits (2, 3, 5, 6 too): more context per byte",
     )
     serve.add_argument(
         "--kv-group-size", type=int, help="values per quantization group of --kv-bits (64)"

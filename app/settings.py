@@ -47,6 +47,7 @@ class Settings:
     prefill_step_size: int = 512
     kv_bits: int | None = None  # quantize the KV cache to this many bits; None: as the model
     kv_group_size: int = 64
+    max_prefill_wait: float = 10.0  # seconds a prompt may wait while shorter ones go first
     decode_gap: float = 0.8  # seconds a decoding stream should wait at most while prompts prefill
     log_level: str = "info"
     # Protection

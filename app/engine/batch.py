@@ -47,6 +47,7 @@ class Batch:
         self.gen = BatchGenerator(engine.model, **engine.batch_args)
         self.active: dict[int, Request] = {}
         self.queue: list[tuple[Request, float]] = []
+        self._replan = False  # new in the queue or newly prefilling: look for shared prefixes
         self.costs = StepCosts()
 
     def close(self) -> None:
@@ -64,12 +65,14 @@ class Batch:
     def intake(self, new: list[Request]) -> None:
         now = self.engine.clock()
         self.queue += [(request, now) for request in new]
+        self._replan = True
         self._start_queued()
 
     def _start_queued(self) -> None:
         """Admit the queued requests `schedule.choose` starts now; with nothing left
         running, more until something runs or nothing waits."""
         while self.queue:
+            self._follow_prefilling()
             prefilling = [r.left for r in self.active.values() if r.prefilling]
             line = [Waiting(r, self._uncached(r), t) for r, t in self.queue]
             chosen = choose(line, prefilling, self.chunk(budget=True), self.engine.clock(),
@@ -77,9 +80,31 @@ class Batch:
             if not chosen:
                 return
             self.queue = [(r, t) for r, t in self.queue if all(r is not c for c in chosen)]
-            self._plan(chosen)
+            try:
+                self._plan(chosen)
+            except Exception:  # out of the queue and maybe not admitted: answer them here
+                self.engine.fail(chosen, "Generation failed on the server. Retry.")
+                raise
             if self.active:
                 return
+
+    def _follow_prefilling(self) -> None:
+        """Queued requests sharing a prefix with a prompt being prefilled wait for it
+        instead of their turn: once it is cached they start from it (`admission`)."""
+        cache, leaders = self.engine.cache, [r for r in self.active.values() if r.prefilling]
+        if cache is None or not leaders or not self._replan:
+            return
+        self._replan = False
+        plan = plan_admission(
+            [r for r, _ in self.queue],
+            leaders,
+            cached=lambda r: cache.peek(r.cache_key, r.packed)[1],
+            min_shared=self.engine.min_shared_prefix,
+        )
+        following = [r for r, leader in plan.leader_of.items() if any(leader is x for x in leaders)]
+        for request in following:
+            plan.leader_of[request].followers.append(request)
+        self.queue = [(r, t) for r, t in self.queue if all(r is not f for f in following)]
 
     def _uncached(self, request: Request) -> int:
         cache = self.engine.cache
@@ -153,6 +178,7 @@ class Batch:
         request.prefilling = True
         request.left = len(tokens) - n
         self.active[request.uid] = request
+        self._replan = True
 
     def _start_alone(self, request: Request, cache: list, n: int, sampler, processors) -> None:
         engine, tokens = self.engine, request.tokens
@@ -241,7 +267,10 @@ class Batch:
         request.left = total - done
         if progress.end_of_prompt:
             request.prefilling = False
-        if request.followers and (progress.end_of_segment or progress.end_of_prompt):
+        # Cached once prefilled, not only when it ends: a request that shares the prompt
+        # and arrives while this one decodes starts from it.
+        cached = self.engine.cache is not None
+        if (cached and progress.end_of_prompt) or (request.followers and progress.end_of_segment):
             self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
             self._release(request)
 

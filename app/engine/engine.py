@@ -94,6 +94,7 @@ class Engine:
         self._closing = threading.Lock()  # orders a submit against the thread's last take
         self._closed = False
         self.running = 0  # requests admitted and not finished (read by /health)
+        self.queued = 0  # requests taken by the thread, waiting for their prefill to start
         self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)
         self.stats = EngineStats()
 
@@ -121,7 +122,8 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return self._inbox.qsize()
+        """Requests submitted and not yet admitted: in the inbox or the batch's queue."""
+        return self._inbox.qsize() + self.queued
 
     # ------------------------------------------------------------ clients
 
@@ -225,6 +227,7 @@ class Engine:
                 idle_since = self.clock()  # what the failed batch held can go back too
             finally:
                 self.running = len(batch.active) if batch is not None else 0
+                self.queued = len(batch.queue) if batch is not None else 0
         with self._closing:
             self._closed = True
             running = batch.everyone() if batch is not None else []

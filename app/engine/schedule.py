@@ -12,10 +12,14 @@ prefilling only if it finishes within its share of one step (a short question ne
 to a long context waits one step, not the whole context), or if it is shorter than
 the one prompt prefilling (the two share the steps until the shorter is done: as
 near to running it first as `BatchGenerator`, which gives every prompt in a step
-the same chunk, allows). A step's prompts share its token budget, so their padding
-costs nothing extra. A prompt that has waited `max_wait` seconds goes ahead of any
-shorter one (oldest first), and nothing starts beside a running prompt while it
-waits: a long prompt waits at most `max_wait` plus the prefills already running.
+the same chunk, allows). While streams decode, a step's prompts share its token
+budget, so padding a short prompt to the others' chunk costs no more than the step
+was to cost; with nothing decoding every prompt gets the largest chunk and a short
+one beside a long prefill is padded to it (one step's worth, once). A prompt that
+has waited `max_wait` seconds goes ahead of any shorter one (oldest first), and
+nothing starts beside a running prompt while it waits: a long prompt waits at most
+`max_wait` plus the prefills already running (and those of requests that waited for
+a shared prefix, which start when it is cached: `admission`).
 
 Pure policy: `choose` decides from token counts and times; the batch carries it out.
 """

@@ -100,6 +100,7 @@ class Solo:
         self.group_size, self.bits = group_size, bits
         self.active: dict[int, Request] = {}
         self.runs: dict[int, _Run] = {}
+        self.queue: list[tuple[Request, float]] = []  # unused: prompts wait in `runs`, in order
         self.costs = StepCosts()
         self._uids = itertools.count()
 
@@ -237,7 +238,7 @@ class Solo:
         for run in [run for run in self.runs.values() if run.request.cancelled]:
             request = run.request
             self._leave(run)
-            if run.cache is not None:
-                store(self.engine, request, self._state(run))
             request.end(Finished("cancelled", request.generated))
-            self.engine.stats.cancelled += 1
+            if run.cache is not None:  # admitted (`_start`): counted as the batch counts
+                store(self.engine, request, self._state(run))
+                self.engine.stats.cancelled += 1

@@ -180,6 +180,7 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         prefill_batch_size=settings.prefill_batch_size,
         prefill_step_size=settings.prefill_step_size,
         decode_gap=settings.decode_gap,
+        max_prefill_wait=settings.max_prefill_wait,
         generation_config=model_config,
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,

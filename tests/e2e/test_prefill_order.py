@@ -101,3 +101,88 @@ def test_a_short_prompt_starts_beside_a_long_prefill_and_answers_first(tiny_mode
         engine.stop()
     assert log.first("short", Finished) < log.first("long", Delta)
     assert log.first("long", Started) < log.first("short", Started)
+
+
+def started(log: Log, name: str) -> Started:
+    return next(e for n, e in log.events if n == name and isinstance(e, Started))
+
+
+def test_prompts_sharing_a_long_prefix_wait_for_the_one_prefilling_it(tiny_model_dir):
+    # Longer than a step, so they start one at a time: those queued behind the first
+    # follow it and reuse its prefix instead of each prefilling it in turn.
+    engine = build_engine(Settings(), str(tiny_model_dir))
+    system = [(7 * i) % 80 + 5 for i in range(1500)]
+    log = Log()
+    for i in range(4):
+        engine.submit(system + [10 + i] * (5 + i), SamplingParams(max_tokens=3), log.sink(i))
+    engine.start()
+    try:
+        wait_until(lambda: all(log.ended(i) for i in range(4)))
+    finally:
+        engine.stop()
+    assert sorted(started(log, i).cached_tokens for i in range(4)) == [0, 1500, 1500, 1500]
+
+
+def test_a_prompt_prefilled_in_the_batch_is_cached_before_its_reply_ends(tiny_model_dir):
+    engine = build_engine(Settings(), str(tiny_model_dir))
+    system = [(7 * i) % 80 + 5 for i in range(1500)]
+    no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
+    log = Log()
+    engine.start()
+    try:
+        engine.submit(system + [11, 12], SamplingParams(max_tokens=500, logit_bias=no_end),
+                      log.sink("long"))  # fmt: skip
+        wait_until(lambda: any(n == "long" and isinstance(e, Delta) for n, e in log.events))
+        engine.submit(system + [21, 22, 23], SamplingParams(max_tokens=2), log.sink("next"))
+        wait_until(lambda: log.ended("next"))
+        assert not log.ended("long")  # still decoding: its prompt was cached when prefilled
+    finally:
+        engine.stop()
+    assert started(log, "next").cached_tokens == 1500
+
+
+def test_requests_taken_from_the_queue_are_answered_when_admitting_them_fails(
+    tiny_model_dir, monkeypatch
+):
+    import app.engine.batch as batch
+
+    engine = build_engine(Settings(prefill_step_size=16), str(tiny_model_dir))
+    real, calls = batch.plan_admission, []
+
+    def failing_once(new, prefilling, *args, **kwargs):
+        # Admitting the queued request, once the first one no longer prefills.
+        if not calls and not prefilling and len(new[0].tokens) == 85 * 50:
+            calls.append(new)
+            raise RuntimeError("planning failed (injected)")
+        return real(new, prefilling, *args, **kwargs)
+
+    monkeypatch.setattr(batch, "plan_admission", failing_once)
+    log = Log()
+    engine.start()
+    try:
+        engine.submit(list(range(3, 90)) * 40, SamplingParams(max_tokens=2), log.sink("first"))
+        wait_until(lambda: engine.running == 1)
+        # Longer than the one prefilling: it waits in the queue, then its admission fails.
+        engine.submit(list(range(5, 90)) * 50, SamplingParams(max_tokens=2), log.sink("queued"))
+        wait_until(lambda: log.ended("first") and log.ended("queued"))
+    finally:
+        engine.stop()
+    assert calls  # the failure was injected where meant
+    assert any(n == "queued" and type(e).__name__ == "Failed" for n, e in log.events)
+
+
+def test_a_request_waiting_for_its_turn_counts_as_waiting(tiny_model_dir):
+    engine = build_engine(Settings(prefill_step_size=16, no_cache=True), str(tiny_model_dir))
+    log = Log()
+    engine.start()
+    try:
+        engine.submit(list(range(3, 90)) * 40, SamplingParams(max_tokens=2), log.sink("first"))
+        wait_until(lambda: engine.running == 1)
+        engine.submit(list(range(5, 90)) * 50, SamplingParams(max_tokens=2), log.sink("queued"))
+        # As /health and mlx_queue_depth report it: submitted, not yet running.
+        wait_until(lambda: engine.waiting == 1 and engine.running == 1 or log.ended("first"))
+        assert not log.ended("first")
+        wait_until(lambda: log.ended("queued"))
+    finally:
+        engine.stop()
+    assert engine.waiting == 0
