@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds running streams should wait at most while prompts prefill (default 0.8)",
     )
     serve.add_argument(
+        "--no-fast-cpu-attention",
+        dest="fast_cpu_attention",
+        action="store_false",
+        default=None,
+        help="on the CPU, keep MLX's own attention (slower on Linux for long contexts)",
+    )
+    serve.add_argument(
         "--kv-bits",
         type=int,
         help="keep the KV cache quantized to 8 or 4 bits (2, 3, 5, 6 too): more context per byte",
@@ -199,6 +206,12 @@ def serve(args: argparse.Namespace) -> int:
     )
     if mx.default_device() == mx.cpu:
         (log.info if fast else log.warning)("CPU matmuls use %s", blas)
+        log.info(
+            "attention: %s",
+            "numpy's vectorized softmax for long contexts (--no-fast-cpu-attention: MLX's)"
+            if settings.fast_cpu_attention
+            else "MLX's own",
+        )
     app = create_app(engine, settings=settings)
     log.info("sampling defaults: %s", app.state.server.defaults.describe())
     if engine.cache is None:

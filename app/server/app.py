@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -19,6 +20,7 @@ from prompt_cache.disk import DiskTier, DiskTierBusy
 from ..engine import Engine
 from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
+from ..runtime import cpu_attention
 from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
@@ -152,6 +154,9 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
     from mlx_lm import load
 
     model, tokenizer = load(model_path)
+    cpu_attention.enabled = settings.fast_cpu_attention
+    if settings.fast_cpu_attention and mx.default_device() == mx.cpu:
+        cpu_attention.install(model)
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or _context_length(model)

@@ -1,0 +1,133 @@
+"""Attention on MLX's CPU device through numpy, whose exp is vectorized; MLX's CPU exp is not.
+
+On Linux, MLX's CPU backend computes `exp` one element at a time, and a prefill
+chunk's softmax over a long context is most of its attention's time (bench/README.md,
+"Attention on the CPU"). Here the scores, their softmax and the weighted sum of the
+values run in numpy on zero-copy views of the MLX arrays: its SIMD exp, its BLAS for
+the two matmuls. Queries are taken in chunks so that a chunk's scores stay under
+`CHUNK_SCORES` values however long the context: rows are independent, so each is an
+exact softmax, with no rescaling.
+
+It takes over only where it is faster and means the same: MLX's CPU device, float32
+queries, keys and values, no quantized cache, no attention sinks, and enough scores
+that the round trip through numpy pays (`MIN_SCORES`; decode steps keep MLX's fused
+kernel). Everything else goes to mlx-lm's own `scaled_dot_product_attention`.
+
+It is installed by rebinding the name a model's module calls (`install`), mlx-lm's
+attention entry point: no mlx-lm file is changed, and `enabled` turns it off.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import base
+
+MIN_SCORES = 1 << 18  # scores of one call below which MLX's own kernel is as fast
+CHUNK_SCORES = 1 << 22  # scores computed at once (16 MiB of float32)
+
+LOWEST = np.finfo(np.float32).min
+
+enabled = True  # off: every call goes to mlx-lm's attention
+
+
+def scaled_dot_product_attention(
+    queries: mx.array,
+    keys: Any,
+    values: Any,
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention`, through numpy where that is faster."""
+    if not (enabled and _eligible(queries, keys, values, cache, sinks)):
+        return base.scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+        )
+    return attention(queries, keys, values, scale, mask)
+
+
+def _eligible(queries: mx.array, keys: Any, values: Any, cache: Any, sinks: Any) -> bool:
+    if hasattr(cache, "bits") or sinks is not None or mx.default_device() != mx.cpu:
+        return False
+    if not all(isinstance(a, mx.array) and a.dtype == mx.float32 for a in (queries, keys, values)):
+        return False
+    b, h, n_queries, _ = queries.shape
+    return b * h * n_queries * keys.shape[-2] >= MIN_SCORES
+
+
+def attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """softmax(q k^T * scale + mask) v for (batch, heads, length, dim) arrays, in numpy.
+
+    Grouped-query attention as MLX's kernel does it: query head i reads key/value head
+    i // (query heads / key heads). `mask` is None, "causal" (the queries are the last
+    of the keys' positions) or an array broadcast to (batch, heads, queries, keys),
+    boolean (True: may attend) or additive.
+    """
+    arrays = [queries, keys, values] + ([mask] if isinstance(mask, mx.array) else [])
+    mx.eval(arrays)
+    q, k, v = (np.asarray(a) for a in (queries, keys, values))
+    b, n_heads, n_q, _ = q.shape
+    n_kv, n_k = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv
+    q = q.reshape(b, n_kv, groups, n_q, q.shape[-1])
+    kt = k[:, :, None].swapaxes(-1, -2)  # (b, kv heads, 1, dim, keys)
+    v = v[:, :, None]
+    m = _mask(mask, b, n_kv, groups, n_q, n_k)
+    out = np.empty((b, n_kv, groups, n_q, v.shape[-1]), dtype=np.float32)
+    step = max(1, CHUNK_SCORES // (b * n_heads * n_k))
+    for at in range(0, n_q, step):
+        rows = slice(at, at + step)
+        s = np.matmul(q[:, :, :, rows], kt)
+        s *= scale
+        if m is not None:
+            part = m[..., rows, :] if m.shape[-2] > 1 else m
+            if part.dtype == np.bool_:  # a finite floor, as MLX's: no NaN from a masked row
+                np.copyto(s, LOWEST, where=~part)
+            else:
+                s += part
+        top = s.max(axis=-1, keepdims=True)
+        top[~np.isfinite(top)] = 0  # a row an additive mask fully masks: zeros, not NaN
+        s -= top
+        np.exp(s, out=s)
+        total = s.sum(axis=-1, keepdims=True)
+        total[total == 0] = 1
+        np.matmul(s, v, out=out[:, :, :, rows])
+        out[:, :, :, rows] /= total
+    return mx.array(out.reshape(b, n_heads, n_q, -1))
+
+
+def _mask(mask: Any, b: int, n_kv: int, groups: int, n_q: int, n_k: int) -> np.ndarray | None:
+    """The mask as an array that broadcasts to (batch, kv heads, groups, queries, keys)."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        if n_q == 1:
+            return None
+        positions = np.arange(n_k - n_q, n_k)
+        return positions[:, None] >= np.arange(n_k)[None, :]
+    m = np.asarray(mask)
+    m = m.reshape((1,) * (4 - m.ndim) + m.shape)  # (batch or 1, heads or 1, queries, keys)
+    heads = m.shape[1]
+    if heads == 1:
+        return m[:, :, None]
+    return m.reshape(m.shape[0], n_kv, groups, *m.shape[2:])
+
+
+def install(model: Any) -> bool:
+    """Route `model`'s attention through this module; False if its module has no such entry."""
+    module = sys.modules.get(type(model).__module__)
+    current = getattr(module, "scaled_dot_product_attention", None)
+    if current is None:
+        return False
+    if current is not scaled_dot_product_attention:
+        module.scaled_dot_product_attention = scaled_dot_product_attention
+    return True

@@ -1,0 +1,45 @@
+"""With attention through numpy (`--fast-cpu-attention`, on by default on the CPU), greedy
+output with the cache equals output without it, through the `openai` SDK."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from openai import OpenAI
+
+from app.runtime import cpu_attention
+from tests.live import serving
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-only path")
+
+
+def test_cached_equals_uncached_with_every_attention_through_numpy(tiny_model_dir, monkeypatch):
+    calls = []
+    real = cpu_attention.attention
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)  # every call, decode steps too
+    monkeypatch.setattr(cpu_attention, "attention", counting)
+    system = {"role": "system", "content": "You are a helpful assistant. " * 20}
+    with (
+        serving(str(tiny_model_dir), served_model_name="tiny") as cached,
+        serving(str(tiny_model_dir), served_model_name="tiny", no_cache=True) as uncached,
+    ):
+        messages = [system]
+        for question in ("Hello.", "Tell me more.", "And then?"):
+            messages.append({"role": "user", "content": question})
+            replies = []
+            for live in (cached, uncached):
+                client = OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+                r = client.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=16, temperature=0
+                )
+                replies.append((r.choices[0].message.content, r.usage))
+            (text, usage), (plain, _) = replies
+            assert text == plain
+            messages.append({"role": "assistant", "content": text})
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)

@@ -1,0 +1,110 @@
+"""Attention through numpy (`app.runtime.cpu_attention`) against MLX's own kernel."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from app.runtime import cpu_attention
+
+
+def qkv(batch: int, heads: int, kv_heads: int, queries: int, keys: int, dim: int, seed: int = 0):
+    mx.random.seed(seed)
+    q = mx.random.normal((batch, heads, queries, dim)) * 2
+    k = mx.random.normal((batch, kv_heads, keys, dim)) * 2
+    v = mx.random.normal((batch, kv_heads, keys, dim))
+    return q, k, v
+
+
+def left_padding_mask(batch: int, queries: int, keys: int, padding: list[int]) -> mx.array:
+    """A boolean (batch, 1, queries, keys) mask: causal, and each row's first keys padding."""
+    positions = mx.arange(keys - queries, keys)[:, None] >= mx.arange(keys)[None, :]
+    pad = mx.arange(keys)[None, :] >= mx.array(padding)[:, None]
+    return (positions[None] & pad[:, None, :])[:, None]
+
+
+SHAPES = {
+    "GQA, a prefill chunk on a long context": (1, 9, 3, 100, 4100, 64),
+    "no GQA, two sequences": (2, 4, 4, 37, 300, 32),
+    "one query": (1, 8, 2, 1, 2000, 64),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive"])
+def test_equals_mlx_within_float32_tolerance(shape, mask_kind):
+    batch, heads, kv_heads, queries, keys, dim = SHAPES[shape]
+    q, k, v = qkv(batch, heads, kv_heads, queries, keys, dim)
+    mask = {"none": None, "causal": "causal"}.get(mask_kind)
+    if mask_kind in ("boolean", "additive"):
+        mask = left_padding_mask(batch, queries, keys, [0, 7][:batch])
+        if mask_kind == "additive":
+            mask = mx.where(mask, 0.0, -1e9).astype(mx.float32)
+    scale = dim**-0.5
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    got = cpu_attention.attention(q, k, v, scale, mask)
+    assert got.shape == expected.shape and got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=2e-5)
+
+
+def test_query_chunks_give_the_same_rows(monkeypatch):
+    q, k, v = qkv(1, 9, 3, 100, 1000, 64, seed=1)
+    whole = cpu_attention.attention(q, k, v, 0.125, "causal")
+    monkeypatch.setattr(cpu_attention, "CHUNK_SCORES", 9 * 1000 * 7)  # chunks of 7 queries
+    chunked = cpu_attention.attention(q, k, v, 0.125, "causal")
+    # Rows are independent; only BLAS's blocking over the chunk's size differs.
+    np.testing.assert_allclose(np.array(chunked), np.array(whole), rtol=1e-5, atol=1e-6)
+
+
+def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or a[0])
+    big = qkv(1, 9, 3, 100, 4100, 64)
+    small = qkv(1, 9, 3, 1, 100, 64)
+
+    def run(q, k, v, cache=None):
+        return cpu_attention.scaled_dot_product_attention(
+            q, k, v, cache=cache, scale=0.125, mask=None
+        )
+
+    run(*big, cache=KVCache())
+    assert len(calls) == 1
+    run(*small)  # too few scores to pay for the round trip
+    run(*(a.astype(mx.float16) for a in big))
+    quantized = QuantizedKVCache(group_size=64, bits=8)
+    q, k, v = big
+    qk, qv = mx.quantize(k, group_size=64, bits=8), mx.quantize(v, group_size=64, bits=8)
+    out = cpu_attention.scaled_dot_product_attention(
+        q, qk, qv, cache=quantized, scale=0.125, mask=None
+    )
+    assert out.shape == q.shape
+    monkeypatch.setattr(cpu_attention, "enabled", False)
+    run(*big)
+    assert len(calls) == 1
+
+
+def test_install_routes_the_models_attention_here(tiny_model, monkeypatch):
+    model, tokenizer = tiny_model
+    calls = []
+    real = cpu_attention.attention
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_attention, "attention", counting)
+    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)
+    import mlx_lm.models.llama as llama
+    from mlx_lm.models import base
+
+    # mlx-lm's own attention (an engine built earlier in this process installed ours).
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    tokens = mx.array(tokenizer.encode("Hello there, how are you?"))[None]
+    before = model(tokens)
+    assert not calls
+    assert cpu_attention.install(model)
+    after = model(tokens)
+    assert len(calls) == len(model.layers)
+    np.testing.assert_allclose(np.array(after), np.array(before), rtol=1e-4, atol=1e-4)
