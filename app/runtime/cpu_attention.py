@@ -1,12 +1,13 @@
-"""Attention on MLX's CPU device through numpy, whose exp is vectorized; MLX's CPU exp is not.
+"""Attention on MLX's CPU device with the softmax in numpy, whose exp is vectorized.
 
 On Linux, MLX's CPU backend computes `exp` one element at a time, and a prefill
 chunk's softmax over a long context is most of its attention's time (bench/README.md,
-"Attention on the CPU"). Here the scores, their softmax and the weighted sum of the
-values run in numpy on zero-copy views of the MLX arrays: its SIMD exp, its BLAS for
-the two matmuls. Queries are taken in chunks so that a chunk's scores stay under
-`CHUNK_SCORES` values however long the context: rows are independent, so each is an
-exact softmax, with no rescaling.
+"Attention on the Linux CPU"). Here the two matmuls stay in MLX (its BLAS) and the
+softmax runs in numpy on a zero-copy view of the scores: its SIMD exp. numpy's own
+BLAS is not used: a second BLAS thread pool spinning beside MLX's slowed every
+matmul of the forward pass on this 2-core machine. Queries are taken in chunks so
+that a chunk's scores stay under `CHUNK_SCORES` values however long the context:
+rows are independent, so each is an exact softmax, with no rescaling.
 
 It takes over only where it is faster and means the same: MLX's CPU device, float32
 queries, keys and values, no quantized cache, no attention sinks, and enough scores
@@ -63,31 +64,32 @@ def _eligible(queries: mx.array, keys: Any, values: Any, cache: Any, sinks: Any)
 def attention(
     queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
 ) -> mx.array:
-    """softmax(q k^T * scale + mask) v for (batch, heads, length, dim) arrays, in numpy.
+    """softmax(q k^T * scale + mask) v for (batch, heads, length, dim) arrays.
 
     Grouped-query attention as MLX's kernel does it: query head i reads key/value head
     i // (query heads / key heads). `mask` is None, "causal" (the queries are the last
     of the keys' positions) or an array broadcast to (batch, heads, queries, keys),
     boolean (True: may attend) or additive.
     """
-    arrays = [queries, keys, values] + ([mask] if isinstance(mask, mx.array) else [])
-    mx.eval(arrays)
-    q, k, v = (np.asarray(a) for a in (queries, keys, values))
-    b, n_heads, n_q, _ = q.shape
-    n_kv, n_k = k.shape[1], k.shape[2]
+    b, n_heads, n_q, dim = queries.shape
+    n_kv, n_k = keys.shape[1], keys.shape[2]
     groups = n_heads // n_kv
-    q = q.reshape(b, n_kv, groups, n_q, q.shape[-1])
-    kt = k[:, :, None].swapaxes(-1, -2)  # (b, kv heads, 1, dim, keys)
-    v = v[:, :, None]
+    q = (queries * scale).reshape(b, n_kv, groups, n_q, dim)
+    kt = keys[:, :, None].swapaxes(-1, -2)  # (b, kv heads, 1, dim, keys)
+    v = values[:, :, None]
+    if isinstance(mask, mx.array):
+        mx.eval(mask)
     m = _mask(mask, b, n_kv, groups, n_q, n_k)
-    out = np.empty((b, n_kv, groups, n_q, v.shape[-1]), dtype=np.float32)
     step = max(1, CHUNK_SCORES // (b * n_heads * n_k))
+    parts = []
     for at in range(0, n_q, step):
-        rows = slice(at, at + step)
-        s = np.matmul(q[:, :, :, rows], kt)
-        s *= scale
+        scores = q[:, :, :, at : at + step] @ kt  # MLX's BLAS: one thread pool, not two
+        mx.eval(scores)
+        s = np.asarray(scores)  # this step's own buffer: worked on in place
+        if not s.flags.writeable:
+            s = s.copy()
         if m is not None:
-            part = m[..., rows, :] if m.shape[-2] > 1 else m
+            part = m[..., at : at + step, :] if m.shape[-2] > 1 else m
             if part.dtype == np.bool_:  # a finite floor, as MLX's: no NaN from a masked row
                 np.copyto(s, LOWEST, where=~part)
             else:
@@ -98,9 +100,9 @@ def attention(
         np.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
         total[total == 0] = 1
-        np.matmul(s, v, out=out[:, :, :, rows])
-        out[:, :, :, rows] /= total
-    return mx.array(out.reshape(b, n_heads, n_q, -1))
+        parts.append((mx.array(s) @ v) / mx.array(total))
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)
+    return out.reshape(b, n_heads, n_q, -1)
 
 
 def _mask(mask: Any, b: int, n_kv: int, groups: int, n_q: int, n_k: int) -> np.ndarray | None:
