@@ -11,8 +11,9 @@ rows are independent, so each is an exact softmax, with no rescaling.
 
 It takes over only where it is faster and means the same: MLX's CPU device, float32
 queries, keys and values, no quantized cache, no attention sinks, and enough scores
-that the round trip through numpy pays (`MIN_SCORES`; decode steps keep MLX's fused
-kernel). Everything else goes to mlx-lm's own `scaled_dot_product_attention`.
+that the round trip through numpy pays (`MIN_SCORES`: a prefill chunk over a long
+context, or a decode step of many streams or heads over one). Everything else goes
+to mlx-lm's own `scaled_dot_product_attention`.
 
 It is installed by rebinding the name a model's module calls (`install`), mlx-lm's
 attention entry point: no mlx-lm file is changed, and `enabled` turns it off.
@@ -45,15 +46,17 @@ def scaled_dot_product_attention(
     sinks: mx.array | None = None,
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, through numpy where that is faster."""
-    if not (enabled and _eligible(queries, keys, values, cache, sinks)):
+    if not (enabled and _eligible(queries, keys, values, cache, mask, sinks)):
         return base.scaled_dot_product_attention(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
     return attention(queries, keys, values, scale, mask)
 
 
-def _eligible(queries: mx.array, keys: Any, values: Any, cache: Any, sinks: Any) -> bool:
+def _eligible(queries: mx.array, keys: Any, values: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     if hasattr(cache, "bits") or sinks is not None or mx.default_device() != mx.cpu:
+        return False
+    if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, mx.float32):
         return False
     if not all(isinstance(a, mx.array) and a.dtype == mx.float32 for a in (queries, keys, values)):
         return False
@@ -100,7 +103,11 @@ def attention(
         np.exp(s, out=s)
         total = s.sum(axis=-1, keepdims=True)
         total[total == 0] = 1
-        parts.append((mx.array(s) @ v) / mx.array(total))
+        # Written in place when numpy could: then the scores' own buffer holds the weights.
+        weights = scores if np.shares_memory(s, np.asarray(scores)) else mx.array(s)
+        part = (weights @ v) / mx.array(total)
+        mx.eval(part)  # before the next chunk: one chunk's scores alive at a time
+        parts.append(part)
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)
     return out.reshape(b, n_heads, n_q, -1)
 
@@ -125,11 +132,16 @@ def _mask(mask: Any, b: int, n_kv: int, groups: int, n_q: int, n_k: int) -> np.n
 
 
 def install(model: Any) -> bool:
-    """Route `model`'s attention through this module; False if its module has no such entry."""
-    module = sys.modules.get(type(model).__module__)
-    current = getattr(module, "scaled_dot_product_attention", None)
-    if current is None:
-        return False
-    if current is not scaled_dot_product_attention:
-        module.scaled_dot_product_attention = scaled_dot_product_attention
-    return True
+    """Route `model`'s attention through this module: the name is rebound in the module of
+    every part of the model that calls it (a wrapper model's own module may not: its
+    language model's does). False if none does."""
+    installed = False
+    for part in [model, *model.modules()]:
+        module = sys.modules.get(type(part).__module__)
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is None:
+            continue
+        if current is not scaled_dot_product_attention:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+        installed = True
+    return installed

@@ -156,7 +156,8 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
     model, tokenizer = load(model_path)
     cpu_attention.enabled = settings.fast_cpu_attention
     if settings.fast_cpu_attention and mx.default_device() == mx.cpu:
-        cpu_attention.install(model)
+        if not cpu_attention.install(model):
+            log.warning("this model's attention cannot take the CPU fast path: MLX's is used")
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or _context_length(model)

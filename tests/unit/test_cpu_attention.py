@@ -108,3 +108,28 @@ def test_install_routes_the_models_attention_here(tiny_model, monkeypatch):
     after = model(tokens)
     assert len(calls) == len(model.layers)
     np.testing.assert_allclose(np.array(after), np.array(before), rtol=1e-4, atol=1e-4)
+
+
+def test_install_reaches_the_attention_of_a_wrapper_models_parts(monkeypatch):
+    from mlx_lm.models import base, llama, smollm3
+
+    # SmolLM3's module wraps llama's layers: the name to rebind is in llama's module.
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    args = smollm3.ModelArgs(
+        model_type="smollm3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100,
+    )  # fmt: skip
+    assert cpu_attention.install(smollm3.Model(args))
+    assert llama.scaled_dot_product_attention is cpu_attention.scaled_dot_product_attention
+
+
+def test_one_chunk_of_scores_at_a_time(monkeypatch):
+    q, k, v = qkv(1, 8, 8, 256, 8192, 32, seed=2)
+    mx.eval(q, k, v)
+    whole_scores = 8 * 256 * 8192 * 4  # bytes of the full score matrix
+    monkeypatch.setattr(cpu_attention, "CHUNK_SCORES", 8 * 8192 * 16)  # 16 queries a chunk
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = cpu_attention.attention(q, k, v, 32**-0.5, "causal")
+    mx.eval(out)
+    assert mx.get_peak_memory() - before < whole_scores / 4
