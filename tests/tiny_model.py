@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 UNK = "<unk>"
+THINK = ["<think>", "</think>"]
 CHARS = [10, *range(32, 127)]  # newline and printable ASCII
 
 CHATML = (
@@ -52,6 +53,19 @@ TOOLS_CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A reasoning model's template, as DeepSeek-R1's: the generation prompt opens the thinking,
+# and an assistant turn's `reasoning_content`, when sent back, is written as it was generated.
+THINK_CHATML = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% if message.get('reasoning_content') is not none %}"
+    "{{ '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}"
+)
+
 CONFIG = {
     "model_type": "llama",
     "hidden_size": 64,
@@ -75,27 +89,35 @@ def _byte_level_char(b: int) -> str:
     return chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 
-def build_tokenizer() -> Tokenizer:
+def build_tokenizer(special: list[str] = SPECIAL) -> Tokenizer:
     vocab = {_byte_level_char(b): i for i, b in enumerate(CHARS)}
     vocab[UNK] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL)
+    tok.add_special_tokens(special)
     return tok
 
 
-def build_tiny_model(path: Path, seed: int = 0, chat_template: str = CHATML, **config: int) -> Path:
-    """Write the model folder to `path` (created) and return it; `config` overrides CONFIG."""
+def build_tiny_model(
+    path: Path,
+    seed: int = 0,
+    chat_template: str = CHATML,
+    thinking: bool = False,
+    **config: int,
+) -> Path:
+    """Write the model folder to `path` (created) and return it; `config` overrides CONFIG.
+    `thinking`: `<think>` and `</think>` are special tokens too, as in Qwen3's vocabulary."""
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
-    config = {**CONFIG, **config}
+    special = SPECIAL + (THINK if thinking else [])
+    config = {**CONFIG, "vocab_size": len(CHARS) + 1 + len(special), **config}
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # Larger than default init so logits are far from ties and outputs vary.
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
-    build_tokenizer().save(str(path / "tokenizer.json"))
+    build_tokenizer(special).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {

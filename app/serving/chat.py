@@ -26,6 +26,7 @@ from .generation import (
     until_disconnected,
 )
 from .limits import check_model, check_prompt_chars, reserve_slot, sampling_params
+from .reasoning import ReasoningSplit, opens_thinking, split_whole, think_tags
 from .schemas import (
     ChatChoice,
     ChatCompletion,
@@ -67,7 +68,7 @@ class ChatCompletionsServing(Surface):
             logprobs = run.logprobs is not None
             return EventStream(_stream(run.events, run.id, run.created, req, logprobs, run.reply))
         result = await until_disconnected(request, collect(run.events))
-        content, calls = run.reply.whole(result.text)
+        reasoning, content, calls = run.reply.whole_all(result.text)
         return ChatCompletion(
             id=run.id,
             created=run.created,
@@ -75,7 +76,9 @@ class ChatCompletionsServing(Surface):
             choices=[
                 ChatChoice(
                     index=0,
-                    message=ResponseMessage(content=content, tool_calls=calls or None),
+                    message=ResponseMessage(
+                        content=content, reasoning_content=reasoning, tool_calls=calls or None
+                    ),
                     logprobs=_logprobs_out(result.logprobs) if run.logprobs is not None else None,
                     finish_reason=_finish_reason(result.finish_reason, calls),
                 )
@@ -135,7 +138,8 @@ class ChatCompletionsServing(Surface):
         cid = new_id("chatcmpl")
         ctx = RequestContext(cid, route, req.model, tenant)
         events = tracked(engine, tokens, params, ctx, settings.request_timeout, self.metrics, slot)
-        return Run(cid, now(), events, Reply(engine, req, tools), want_logprobs, len(tokens))
+        reply = Reply(engine, req, tools, _thinking(engine, tokens, tools, grammar))
+        return Run(cid, now(), events, reply, want_logprobs, len(tokens))
 
 
 @dataclass
@@ -161,6 +165,18 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
         raise APIError(400, f"Invalid request: {where}: {first.get('msg')}.") from e
 
 
+def _thinking(
+    engine: Engine, tokens: list[int], tools: ToolPlan, grammar: str | None
+) -> ReasoningSplit | None:
+    """A splitter for a reasoning model's thinking; None where there can be none (a model
+    without thinking tags, or a reply a grammar shapes)."""
+    tags = think_tags(engine.tokenizer)
+    if tags is None or grammar is not None or tools.mode == "forced":
+        return None
+    # The generation prompt is the end of the prompt: a block it opens is in its tail.
+    return ReasoningSplit(tags, opens_thinking(engine.tokenizer.decode(tokens[-32:]), tags))
+
+
 def _constraint(engine: Engine, grammar: str) -> GrammarProcessor:
     try:
         return build_constraint(engine.grammars, grammar)
@@ -175,7 +191,14 @@ class Reply:
     soon as the name is generated, then its arguments as they come.
     """
 
-    def __init__(self, engine: Engine, req: ChatCompletionRequest, tools: ToolPlan) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        req: ChatCompletionRequest,
+        tools: ToolPlan,
+        thinking: ReasoningSplit | None = None,
+    ) -> None:
+        self.thinking = thinking  # splits a reasoning model's thinking off first
         self.mode = tools.mode
         # Markup is cut out whenever the template was shown tools; with tool_choice "none"
         # the calls it holds are dropped.
@@ -188,6 +211,41 @@ class Reply:
         self.calls = 0  # calls sent
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Content and calls a piece of the reply adds; a reasoning model's thinking is
+        left out (never content)."""
+        return self.feed_all(text)[1:]
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """Content and calls held back until the reply's end."""
+        return self.finish_all()[1:]
+
+    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """Content and calls of a whole reply (not streamed)."""
+        return self.whole_all(text)[1:]
+
+    def feed_all(self, text: str) -> tuple[str, str, list[ToolCallDelta]]:
+        """`feed`, with the reasoning the piece adds first."""
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.feed(text)
+        return (reasoning, *self._feed_answer(text))
+
+    def finish_all(self) -> tuple[str, str, list[ToolCallDelta]]:
+        reasoning, content, calls = "", "", []
+        if self.thinking is not None:
+            reasoning, tail = self.thinking.finish()
+            content, calls = self._feed_answer(tail)
+        more, more_calls = self._finish_answer()
+        return reasoning, content + more, calls + more_calls
+
+    def whole_all(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+        """`whole`, with the reasoning first (None: the reply had no thinking)."""
+        reasoning = None
+        if self.thinking is not None:
+            reasoning, text = split_whole(text, self.thinking.tags, self.thinking.thought)
+        return (reasoning, *self._whole_answer(text))
+
+    def _feed_answer(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         if self.mode == "forced":
             return "", self._forced(text)
         if self.text is None:
@@ -195,7 +253,7 @@ class Reply:
         content, calls = self.text.feed(text)
         return content, self._whole(calls if self.keep else [])
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def _finish_answer(self) -> tuple[str, list[ToolCallDelta]]:
         if self.mode == "forced":
             if not forced_call(self.forced):  # cut off (max_tokens): what there is, as text
                 return ("" if self.call else self.forced), []
@@ -205,8 +263,7 @@ class Reply:
         content, calls = self.text.finish()
         return content, self._whole(calls if self.keep else [])
 
-    def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """Content and calls of a whole reply (not streamed)."""
+    def _whole_answer(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "forced":
             calls = forced_call(text)
             return (None if calls else text), calls
@@ -272,6 +329,9 @@ def _message(m: ChatMessage, index: int, templated: bool = True) -> dict[str, An
     for key in ("name", "tool_call_id"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None and m.role == "assistant":  # for templates that write it back
+        out["reasoning_content"] = reasoning
     if m.tool_calls is not None:
         if templated:
             out["tool_calls"] = template_tool_calls(m.tool_calls)
@@ -336,8 +396,10 @@ def _stream(
             out.usage = usage  # null on every chunk but the last
         return out
 
-    def parts(content: str, calls: list[ToolCallDelta], lp: Any = None) -> list:
+    def parts(content: str, calls: list[ToolCallDelta], lp: Any = None, thought: str = "") -> list:
         out = []
+        if thought:
+            out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(reasoning_content=thought))))
         if content or lp is not None:
             out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(content=content), logprobs=lp)))
         if calls:
@@ -345,13 +407,13 @@ def _stream(
         return out
 
     def delta(event: Delta) -> list[ChatCompletionChunk]:
-        content, calls = reply.feed(event.text)
+        thought, content, calls = reply.feed_all(event.text)
         lp = _logprobs_out(event.logprobs) if logprobs else None
-        return parts(content, calls, lp)
+        return parts(content, calls, lp, thought)
 
     def finish(reason: str) -> list[ChatCompletionChunk]:
-        content, calls = reply.finish()
-        out = parts(content, calls)
+        thought, content, calls = reply.finish_all()
+        out = parts(content, calls, thought=thought)
         reason = "tool_calls" if reply.calls and reason == "stop" else reason
         out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=reason)))
         return out

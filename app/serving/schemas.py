@@ -37,6 +37,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's thinking, sent back (vLLM's name; mlx_lm.server's "reasoning").
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class StreamOptions(_Request):
@@ -157,6 +160,7 @@ class ToolCall(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's thinking, never in content
     tool_calls: list[ToolCall] | None = None
 
 
@@ -191,6 +195,7 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")

@@ -1,0 +1,105 @@
+"""A reasoning model's thinking comes back in `reasoning_content`, never in `content`; sent
+back, it keeps the next turn's prompt on the cache. Through the `openai` SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from openai import OpenAI
+
+from app.server import build_engine
+from app.settings import Settings
+from tests.live import LiveServer
+from tests.tiny_model import THINK_CHATML, build_tiny_model
+
+THOUGHT, ANSWER = "I think.", "Hello!"
+
+
+class Scripted:
+    """The model with its greedy choice forced to a script: a reply known in advance (the
+    random tiny model would never close its thinking). The script restarts at every
+    prefill of more than one token, so each request (whose prompt is not all cached
+    already) gets the script as its reply."""
+
+    def __init__(self, model: Any, script: list[int]) -> None:
+        self.model, self.script, self.step = model, script, 0
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        logits = self.model(inputs, *args, **kwargs)
+        self.step = 0 if inputs.shape[1] > 1 else self.step + 1
+        token = self.script[min(self.step, len(self.script) - 1)]
+        return logits + (mx.arange(logits.shape[-1]) == token) * 1e4
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    folder = build_tiny_model(
+        Path(tmp_path_factory.mktemp("tiny-think")), chat_template=THINK_CHATML, thinking=True
+    )
+    settings = Settings(served_model_name="tiny")
+    engine = build_engine(settings, str(folder))
+    # The prompt opens the thinking; the model closes it, answers, and ends its turn.
+    reply = f"{THOUGHT}\n</think>\n\n{ANSWER}"
+    engine.model = Scripted(engine.model, [*engine.tokenizer.encode(reply), 99])  # 99: im_end
+    server = LiveServer(engine, settings).start()
+    yield server
+    server.stop()
+
+
+def client(live) -> OpenAI:
+    return OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def test_thinking_is_reasoning_content_not_content(live):
+    r = client(live).chat.completions.create(model="tiny", messages=ask("Hi."), max_tokens=40)
+    message = r.choices[0].message
+    assert message.content == ANSWER
+    assert message.reasoning_content == THOUGHT
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_thinking_arrives_in_reasoning_content_deltas(live):
+    stream = client(live).chat.completions.create(
+        model="tiny", messages=ask("Hello?"), max_tokens=40, stream=True
+    )
+    thought, content, order = "", "", []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if getattr(delta, "reasoning_content", None):
+            thought += delta.reasoning_content
+            order.append("reasoning")
+        if delta.content:
+            content += delta.content
+            order.append("content")
+    assert (thought, content) == (THOUGHT, ANSWER)
+    assert order.index("content") > max(i for i, kind in enumerate(order) if kind == "reasoning")
+
+
+def test_reasoning_sent_back_keeps_the_next_turn_on_the_cache(live):
+    question = ask("Say hello.")
+    first = client(live).chat.completions.create(model="tiny", messages=question, max_tokens=40)
+    said = first.choices[0].message
+    reused = {}
+    for sent_back in (True, False):
+        turn = {"role": "assistant", "content": said.content}
+        if sent_back:
+            turn["reasoning_content"] = said.reasoning_content
+        messages = [*question, turn, {"role": "user", "content": "And again?"}]
+        r = client(live).chat.completions.create(model="tiny", messages=messages, max_tokens=40)
+        reused[sent_back] = r.usage.prompt_tokens_details.cached_tokens
+    # Written back by the template, the thinking is the tokens that were generated.
+    assert reused[True] >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    # Left out, the prompt parts from the cache where the assistant's turn begins.
+    assert reused[False] < first.usage.prompt_tokens
