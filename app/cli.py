@@ -63,11 +63,11 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds running streams should wait at most while prompts prefill (default 0.8)",
     )
     serve.add_argument(
-        "--no-fast-cpu-attention",
-        dest="fast_cpu_attention",
+        "--no-cpu-fast-path",
+        dest="cpu_fast_path",
         action="store_false",
         default=None,
-        help="on the CPU, keep MLX's own attention (slower on Linux for long contexts)",
+        help="on the CPU, keep MLX's own attention softmax and SwiGLU (slower on Linux)",
     )
     serve.add_argument(
         "--kv-bits",
@@ -208,8 +208,8 @@ def serve(args: argparse.Namespace) -> int:
         (log.info if fast else log.warning)("CPU matmuls use %s", blas)
         log.info(
             "attention: %s",
-            "numpy's vectorized softmax for long contexts (--no-fast-cpu-attention: MLX's)"
-            if settings.fast_cpu_attention
+            "the softmax and SwiGLU through numpy's vectorized exp (--no-cpu-fast-path: MLX's)"
+            if settings.cpu_fast_path
             else "MLX's own",
         )
     app = create_app(engine, settings=settings)

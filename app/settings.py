@@ -45,8 +45,9 @@ class Settings:
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
-    # On MLX's CPU device, attention's softmax through numpy (app/runtime/cpu_attention.py).
-    fast_cpu_attention: bool = True
+    # On MLX's CPU device, the ops MLX's scalar exp slows (attention's softmax, the MLP's
+    # SwiGLU) through numpy: app/runtime/cpu_attention.py, cpu_activations.py.
+    cpu_fast_path: bool = True
     kv_bits: int | None = None  # quantize the KV cache to this many bits; None: as the model
     kv_group_size: int = 64
     max_prefill_wait: float = 10.0  # seconds a prompt may wait while shorter ones go first

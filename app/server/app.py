@@ -20,7 +20,7 @@ from prompt_cache.disk import DiskTier, DiskTierBusy
 from ..engine import Engine
 from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
-from ..runtime import cpu_attention
+from ..runtime import cpu_activations, cpu_attention
 from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
@@ -154,10 +154,11 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
     from mlx_lm import load
 
     model, tokenizer = load(model_path)
-    cpu_attention.enabled = settings.fast_cpu_attention
-    if settings.fast_cpu_attention and mx.default_device() == mx.cpu:
+    cpu_attention.enabled = cpu_activations.enabled = settings.cpu_fast_path
+    if settings.cpu_fast_path and mx.default_device() == mx.cpu:
         if not cpu_attention.install(model):
             log.warning("this model's attention cannot take the CPU fast path: MLX's is used")
+        cpu_activations.install(model)
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or _context_length(model)

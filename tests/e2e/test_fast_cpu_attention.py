@@ -1,4 +1,4 @@
-"""With attention through numpy (`--fast-cpu-attention`, on by default on the CPU), greedy
+"""With attention through numpy (the CPU fast path, on by default on the CPU), greedy
 output with the cache equals output without it, through the `openai` SDK."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from app.runtime import cpu_attention
+from app.runtime import cpu_activations, cpu_attention
 from tests.live import serving
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-only path")
 
 
-def test_cached_equals_uncached_with_every_attention_through_numpy(tiny_model_dir, monkeypatch):
+def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir, monkeypatch):
     calls = []
     real = cpu_attention.attention
 
@@ -22,6 +22,7 @@ def test_cached_equals_uncached_with_every_attention_through_numpy(tiny_model_di
         return real(*args)
 
     monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)  # every call, decode steps too
+    monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
     monkeypatch.setattr(cpu_attention, "attention", counting)
     system = {"role": "system", "content": "You are a helpful assistant. " * 20}
     with (

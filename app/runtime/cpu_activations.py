@@ -1,0 +1,62 @@
+"""The MLP's SwiGLU on MLX's CPU device through numpy, whose exp is vectorized.
+
+`silu(gate) * x` takes one `exp` per element of the MLP's hidden width, and on Linux
+MLX's CPU `exp` is scalar: for a 100-token prefill of the default model the
+activation cost more than half of what was not a matmul or attention, and every
+decode step of many streams pays it too (bench/README.md, "Attention on the Linux
+CPU"). Same conditions as `cpu_attention`: MLX's CPU device, float32, enough
+elements to pay for the round trip; anything else goes to mlx-lm's own compiled
+`swiglu`. Elementwise, so the result of an element never depends on how a prompt
+was cut into chunks: cached and uncached runs compute the same values.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import activations
+
+MIN_ELEMENTS = 1 << 14  # below: one stream's decode step, MLX's compiled kernel is as fast
+
+enabled = True  # off: every call goes to mlx-lm's swiglu
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `swiglu` (`silu(gate) * x`), through numpy where that is faster."""
+    if not (enabled and _eligible(gate, x)):
+        return activations.swiglu(gate, x)
+    mx.eval(gate, x)
+    out = np.array(gate)  # a copy: the result's own buffer
+    e = np.negative(out)
+    np.exp(e, out=e)
+    e += 1
+    out /= e  # silu(g) = g / (1 + exp(-g))
+    out *= np.asarray(x)
+    return mx.array(out)
+
+
+def _eligible(gate: mx.array, x: mx.array) -> bool:
+    return (
+        mx.default_device() == mx.cpu
+        and gate.dtype == mx.float32
+        and x.dtype == mx.float32
+        and gate.shape == x.shape
+        and gate.size >= MIN_ELEMENTS
+    )
+
+
+def install(model: Any) -> bool:
+    """Route `model`'s SwiGLU here, where its modules call mlx-lm's `swiglu` by name."""
+    installed = False
+    for part in [model, *model.modules()]:
+        module = sys.modules.get(type(part).__module__)
+        current = getattr(module, "swiglu", None)
+        if current is None or module is activations:
+            continue
+        if current is activations.swiglu or current is swiglu:
+            module.swiglu = swiglu
+            installed = True
+    return installed

@@ -1,0 +1,45 @@
+"""SwiGLU through numpy (`app.runtime.cpu_activations`) against mlx-lm's own."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import activations
+
+from app.runtime import cpu_activations
+
+
+@pytest.mark.parametrize("shape", [(1, 240, 1536), (16, 1, 1536), (2, 37, 128)])
+def test_equals_mlx_lm_within_float32_tolerance(shape, monkeypatch):
+    monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
+    mx.random.seed(3)
+    gate, x = mx.random.normal(shape) * 6, mx.random.normal(shape)  # large gates: exp's range
+    got = cpu_activations.swiglu(gate, x)
+    expected = activations.swiglu(gate, x)
+    assert got.shape == expected.shape and got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_small_or_other_dtypes_go_to_mlx_lm(monkeypatch):
+    calls = []
+    monkeypatch.setattr(activations, "swiglu", lambda g, x: calls.append(g.shape) or g)
+    big = mx.ones((4, 8, 1024))
+    cpu_activations.swiglu(mx.ones((1, 1, 64)), mx.ones((1, 1, 64)))  # one decode row: small
+    cpu_activations.swiglu(big.astype(mx.float16), big.astype(mx.float16))
+    monkeypatch.setattr(cpu_activations, "enabled", False)
+    cpu_activations.swiglu(big, big)
+    assert len(calls) == 3
+
+
+def test_install_routes_the_models_mlp_here(tiny_model, monkeypatch):
+    import mlx_lm.models.llama as llama
+
+    model, tokenizer = tiny_model
+    monkeypatch.setattr(llama, "swiglu", activations.swiglu)  # undone after the test
+    monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
+    tokens = mx.array(tokenizer.encode("Hello there, how are you?"))[None]
+    before = model(tokens)
+    assert cpu_activations.install(model)
+    assert llama.swiglu is cpu_activations.swiglu
+    np.testing.assert_allclose(np.array(model(tokens)), np.array(before), rtol=1e-4, atol=1e-4)
