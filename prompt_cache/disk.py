@@ -9,7 +9,9 @@ that). The index survives the process: a restart finds what the last one wrote.
 On disk, under `root/<fingerprint>/`: `index.sqlite` with one row per file, the
 files, `<name>.safetensors`, and a lock file that one process at a time holds. The
 fingerprint names everything that makes KV valid (model weights, dtype, cache
-layout, versions): another model never finds these files.
+layout, versions): another model never finds these files. Another fingerprint's
+folder that no process holds and that was not written for a week is removed when a
+tier opens (`remove_stale`): a model or version long out of use.
 
 Invariants:
 - A file holds the KV of tokens [start, end) of one path, whose tokens [0, end) its
@@ -39,6 +41,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import sqlite3
 import threading
 import time
@@ -61,6 +64,7 @@ HEADER_SLACK = 1024  # bytes reserved for a file's header, plus ENTRY_SLACK per 
 ENTRY_SLACK = 128
 MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still has them)
 SUFFIX = ".safetensors"
+STALE_AFTER = 7 * 24 * 3600  # seconds unused before another fingerprint's folder is removed
 
 Segment = tuple[tuple[mx.array, ...], ...]
 Runs = list[tuple[int, int, Segment]]  # (start, end, KV of [start, end)) along a path
@@ -117,6 +121,7 @@ class DiskTier:
         except OSError:
             self._lockfile.close()
             raise DiskTierBusy(f"another process uses {self.folder}") from None
+        self.removed_stale = remove_stale(Path(root), keep=self.folder)
         self._lock = threading.Lock()
         self._roots: dict[str, Node] = {}
         self._lru: OrderedDict[DiskFile, None] = OrderedDict()
@@ -539,6 +544,29 @@ class DiskTier:
                     del self._roots[name]
             with contextlib.suppress(sqlite3.Error):
                 self._db.commit()
+
+
+def remove_stale(root: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove other fingerprints' folders under `root` (another model, an older version of
+    this one) that no process holds and that were not written for `STALE_AFTER` seconds;
+    the folders removed. Only folders laid out as a disk tier's are touched."""
+    now = time.time() if now is None else now
+    removed = []
+    for folder in sorted(root.iterdir()):
+        index, lockfile = folder / "index.sqlite", folder / "lock"
+        if folder == keep or not (index.is_file() and lockfile.is_file()):
+            continue
+        try:
+            if now - index.stat().st_mtime < STALE_AFTER:
+                continue
+            with open(lockfile, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a server using it holds this
+                shutil.rmtree(folder)
+        except OSError:
+            continue
+        log.info("removed %s: another fingerprint's disk cache, unused for a week", folder)
+        removed.append(folder)
+    return removed
 
 
 def _join(pieces: list[Segment]) -> Segment:

@@ -259,3 +259,23 @@ def test_half_precision_segments_round_trip(tmp_path):
         for a, b in ((got.keys, want.keys), (got.values, want.values)):
             assert mx.array_equal(a[..., : len(seq), :].astype(mx.float32),
                                   b[..., : len(seq), :].astype(mx.float32)).item()  # fmt: skip
+
+
+def test_other_fingerprints_unused_for_a_week_are_removed_unless_held(tmp_path):
+    week_ago = os.stat(tmp_path).st_mtime - 8 * 24 * 3600
+    folders = {}
+    for name in ("old", "recent", "held"):
+        tier = DiskTier(tmp_path, name, 1 << 20)
+        tier.close()
+        folders[name] = tmp_path / name
+    (tmp_path / "notes").mkdir()  # not a disk tier's folder: never touched
+    held = DiskTier(tmp_path, "held", 1 << 20)  # another server, using its folder now
+    for name in ("old", "held"):
+        os.utime(folders[name] / "index.sqlite", (week_ago, week_ago))
+    try:
+        tier = DiskTier(tmp_path, "mine", 1 << 20)
+        tier.close()
+    finally:
+        held.close()
+    assert tier.removed_stale == [folders["old"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held", "mine", "notes", "recent"]
