@@ -159,7 +159,11 @@ class MessagesServing:
     async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:
         chat = await off_loop(to_chat, req)
         chat.model = self.served_as(req.model)
-        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
+        # No thinking blocks yet: a reasoning model's reply is its text as generated, which
+        # the client sends back as it came, so the next turn reuses it.
+        run = await self.chat.start(
+            chat, tenant, route=ROUTE, cap_max_tokens=True, split_thinking=False
+        )
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return EventStream(_stream(run, mid, req.model))

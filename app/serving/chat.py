@@ -92,8 +92,12 @@ class ChatCompletionsServing(Surface):
         tenant: str | None,
         route: str = ROUTE,
         cap_max_tokens: bool = False,
+        split_thinking: bool = True,
     ) -> Run:
         """Check a chat request, render it, and start its generation.
+
+        `split_thinking`: a reasoning model's thinking goes to `reasoning_content`; off,
+        the reply is its text as generated (the surfaces that have no place for it yet).
 
         What the chat surfaces share: Anthropic's Messages API translates its
         request into a chat request and starts it here.
@@ -138,7 +142,8 @@ class ChatCompletionsServing(Surface):
         cid = new_id("chatcmpl")
         ctx = RequestContext(cid, route, req.model, tenant)
         events = tracked(engine, tokens, params, ctx, settings.request_timeout, self.metrics, slot)
-        reply = Reply(engine, req, tools, _thinking(engine, tokens, tools, grammar))
+        thinking = _thinking(engine, tokens, tools, grammar) if split_thinking else None
+        reply = Reply(engine, req, tools, thinking)
         return Run(cid, now(), events, reply, want_logprobs, len(tokens))
 
 
@@ -173,7 +178,7 @@ def _thinking(
     tags = think_tags(engine.tokenizer)
     if tags is None or grammar is not None or tools.mode == "forced":
         return None
-    # The generation prompt is the end of the prompt: a block it opens is in its tail.
+    # The generation prompt is the end of the prompt: a block it opens ends it.
     return ReasoningSplit(tags, opens_thinking(engine.tokenizer.decode(tokens[-32:]), tags))
 
 
@@ -398,8 +403,13 @@ def _stream(
 
     def parts(content: str, calls: list[ToolCallDelta], lp: Any = None, thought: str = "") -> list:
         out = []
-        if thought:
-            out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(reasoning_content=thought))))
+        # Logprobs go with the part their tokens belong to, reasoning or content, as vLLM
+        # sends them (a token whose text is held back goes with the part being written).
+        thinking = reply.thinking is not None and reply.thinking.state == "thinking"
+        if thought or (lp is not None and not content and thinking):
+            delta = ChunkDelta(reasoning_content=thought)
+            out.append(chunk(ChunkChoice(index=0, delta=delta, logprobs=None if content else lp)))
+            lp = lp if content else None
         if content or lp is not None:
             out.append(chunk(ChunkChoice(index=0, delta=ChunkDelta(content=content), logprobs=lp)))
         if calls:

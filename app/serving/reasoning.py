@@ -34,8 +34,9 @@ def think_tags(tokenizer: Any) -> ThinkTags | None:
 
 
 def opens_thinking(prompt: str, tags: ThinkTags) -> bool:
-    """Whether the prompt leaves the reply inside a thinking block."""
-    return prompt.rfind(tags.start) > prompt.rfind(tags.end)
+    """Whether the prompt's generation prompt opens a thinking block: the prompt ends in
+    the tag. (A tag a message mentions, earlier, opens nothing.)"""
+    return prompt.rstrip().endswith(tags.start)
 
 
 class ReasoningSplit:

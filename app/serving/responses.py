@@ -244,7 +244,11 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
         chat = await off_loop(to_chat, req)
-        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
+        # No reasoning items yet: a reasoning model's reply is its text as generated, which
+        # the client sends back as it came, so the next turn reuses it.
+        run = await self.chat.start(
+            chat, tenant, route=ROUTE, cap_max_tokens=True, split_thinking=False
+        )
         custom = {t.get("name") for t in req.tools or [] if t.get("type") == "custom"}
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), custom)
         if req.stream:

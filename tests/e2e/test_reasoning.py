@@ -103,3 +103,22 @@ def test_reasoning_sent_back_keeps_the_next_turn_on_the_cache(live):
     assert reused[True] >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
     # Left out, the prompt parts from the cache where the assistant's turn begins.
     assert reused[False] < first.usage.prompt_tokens
+
+
+def test_streamed_logprobs_go_with_the_part_their_tokens_made(live):
+    stream = client(live).chat.completions.create(
+        model="tiny", messages=ask("Good day?"), max_tokens=40, stream=True, logprobs=True
+    )
+    parts = {"reasoning": ["", ""], "content": ["", ""]}  # text, the logprobs' tokens
+    for chunk in stream:
+        if not chunk.choices or chunk.choices[0].logprobs is None:
+            continue
+        choice = chunk.choices[0]
+        thought = getattr(choice.delta, "reasoning_content", None)
+        part = "content" if thought is None else "reasoning"
+        parts[part][0] += thought if thought is not None else choice.delta.content
+        parts[part][1] += "".join(t.token for t in choice.logprobs.content)
+    # The newline cut from the thinking's end was still written while thinking; the closing
+    # tag and the newlines after it are no part's text, and come with the answer.
+    assert parts["reasoning"] == [THOUGHT, THOUGHT + "\n"]
+    assert parts["content"] == [ANSWER, "</think>\n\n" + ANSWER]

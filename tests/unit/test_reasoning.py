@@ -44,3 +44,5 @@ def test_a_prompt_that_opens_a_thinking_block():
     assert opens_thinking("<|im_start|>assistant\n<think>\n", TAGS)
     assert not opens_thinking("<think>\nx\n</think>\n\nok<|im_start|>assistant\n", TAGS)
     assert not opens_thinking("<|im_start|>assistant\n", TAGS)
+    # A message that mentions the tag opens nothing: only the generation prompt can.
+    assert not opens_thinking("What is <think>?<|im_end|>\n<|im_start|>assistant\n", TAGS)
