@@ -62,7 +62,7 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": _text(req.system, "system")})
     for i, m in enumerate(req.messages):
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for j, block in enumerate(blocks):
             kind, where = block.get("type"), f"messages[{i}].content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
@@ -78,14 +78,19 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
                 function = {"name": str(block.get("name")), "arguments": arguments}
                 calls.append({"id": str(block.get("id")), "type": "function", "function": function})
-            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
-                continue  # passed back by the client; not part of what the template renders
+            elif kind == "thinking" and m.role == "assistant":
+                # As generated: a template that writes thinking back renders those tokens.
+                thoughts.append(str(block.get("thinking") or ""))
+            elif kind == "redacted_thinking" and m.role == "assistant":
+                continue  # another server's encrypted thinking: nothing to render
             else:
                 raise APIError(400, f"Unsupported content block {kind!r} here.", param=where)
         if m.role == "assistant":
             out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
             if calls:
                 out["tool_calls"] = calls
+            if thoughts:
+                out["reasoning_content"] = "".join(thoughts)
             messages.append(out)
         elif texts:
             text = "\n\n".join(texts)
@@ -159,18 +164,18 @@ class MessagesServing:
     async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:
         chat = await off_loop(to_chat, req)
         chat.model = self.served_as(req.model)
-        # No thinking blocks yet: a reasoning model's reply is its text as generated, which
-        # the client sends back as it came, so the next turn reuses it.
-        run = await self.chat.start(
-            chat, tenant, route=ROUTE, cap_max_tokens=True, split_thinking=False
-        )
+        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return EventStream(_stream(run, mid, req.model))
         result = await until_disconnected(request, collect(run.events))
-        text, calls = run.reply.whole(result.text)
+        thought, text, calls = run.reply.whole_all(result.text)
         reason = _stop_reason(result.finish_reason, result.stop_sequence, bool(calls))
-        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        content: list[dict[str, Any]] = []
+        if thought is not None:  # a reasoning model's thinking, as a thinking block
+            content.append({"type": "thinking", "thinking": thought, "signature": ""})
+        if text:
+            content.append({"type": "text", "text": text})
         for call in calls:
             content.append(
                 {
@@ -259,9 +264,11 @@ def _on(event: Event | None, run: Any, blocks: _Blocks, mid: str, model: str) ->
         }  # fmt: skip
         return [_sse("message_start", {"message": message})]
     if isinstance(event, Delta):
-        return blocks.add(*run.reply.feed(event.text))
+        thought, text, calls = run.reply.feed_all(event.text)
+        return blocks.add(text, calls, thought)
     if isinstance(event, Finished):
-        out = [*blocks.add(*run.reply.finish()), *blocks.close()]
+        thought, text, calls = run.reply.finish_all()
+        out = [*blocks.add(text, calls, thought), *blocks.close()]
         reason = _stop_reason(event.reason, event.stop_sequence, run.reply.calls > 0)
         stop = event.stop_sequence if reason == "stop_sequence" else None
         usage = {"output_tokens": event.completion_tokens}
@@ -276,13 +283,21 @@ def _on(event: Event | None, run: Any, blocks: _Blocks, mid: str, model: str) ->
 
 
 class _Blocks:
-    """Opens and closes content blocks as text and tool-call deltas arrive."""
+    """Opens and closes content blocks as thinking, text and tool-call deltas arrive."""
 
     def __init__(self) -> None:
-        self.index, self.open = -1, None  # the open block's kind: "text", "tool_use" or None
+        # The open block's kind: "thinking", "text", "tool_use" or None.
+        self.index, self.open = -1, None
 
-    def add(self, text: str, calls: list[ToolCallDelta]) -> list[str]:
+    def add(self, text: str, calls: list[ToolCallDelta], thought: str = "") -> list[str]:
         out = []
+        if thought:
+            if self.open != "thinking":
+                out += self.close()
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                out += self._start(block, "thinking")
+            delta = {"type": "thinking_delta", "thinking": thought}
+            out.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
         if text:
             if self.open != "text":
                 out += self.close()
@@ -304,8 +319,12 @@ class _Blocks:
     def close(self) -> list[str]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":  # Anthropic's thinking blocks end with their signature
+            delta = {"type": "signature_delta", "signature": ""}
+            out.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
         self.open = None
-        return [_sse("content_block_stop", {"index": self.index})]
+        return [*out, _sse("content_block_stop", {"index": self.index})]
 
     def _start(self, block: dict[str, Any], kind: str) -> list[str]:
         self.index, self.open = self.index + 1, kind

@@ -122,3 +122,37 @@ def test_streamed_logprobs_go_with_the_part_their_tokens_made(live):
     # tag and the newlines after it are no part's text, and come with the answer.
     assert parts["reasoning"] == [THOUGHT, THOUGHT + "\n"]
     assert parts["content"] == [ANSWER, "</think>\n\n" + ANSWER]
+
+
+def anthropic_client(live):
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+
+
+def test_anthropic_thinking_blocks_whole_streamed_and_sent_back(live):
+    client = anthropic_client(live)
+    question = [{"role": "user", "content": "Greetings?"}]
+    whole = client.messages.create(model="tiny", max_tokens=40, messages=question)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert (whole.content[0].thinking, whole.content[1].text) == (THOUGHT, ANSWER)
+    with client.messages.stream(
+        model="tiny", max_tokens=40, messages=[{"role": "user", "content": "Hey?"}]
+    ) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert (final.content[0].thinking, final.content[1].text) == (THOUGHT, ANSWER)
+    assert (
+        kinds.index("text_delta") > kinds.index("signature_delta") > kinds.index("thinking_delta")
+    )
+    # Sent back as Claude Code does, the thinking block keeps the next turn on the cache.
+    said = [b.model_dump(exclude_none=True) for b in whole.content]
+    again = [
+        *question,
+        {"role": "assistant", "content": said},
+        {"role": "user", "content": "More?"},
+    ]
+    r = client.messages.create(model="tiny", max_tokens=40, messages=again)
+    first = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert r.usage.cache_read_input_tokens >= first + whole.usage.output_tokens - 1
