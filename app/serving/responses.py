@@ -77,6 +77,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input[{i}]"
         last = messages[-1] if messages else None
@@ -109,9 +110,20 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             call_id = _named(item, "call_id", where)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
-            continue  # passed back by the client; not part of what the template renders
+            # The thinking of the assistant turn that follows, as it was generated: a template
+            # that writes thinking back renders those tokens.
+            thought = "".join(
+                str(part.get("text") or "")
+                for part in item.get("content") or []
+                if isinstance(part, dict) and part.get("type") == "reasoning_text"
+            )
+            continue
         else:
             raise APIError(400, f"Unsupported input item type {kind!r}.", param=where)
+        turn = messages[-1]
+        if thought is not None and turn["role"] == "assistant":
+            turn.setdefault("reasoning_content", thought)
+        thought = None
     if not messages:
         raise APIError(400, "The input is empty.", param="input")
     tools, kinds = [], {}  # kinds: each offered tool's name -> "function" or "custom"
@@ -244,22 +256,25 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
         chat = await off_loop(to_chat, req)
-        # No reasoning items yet: a reasoning model's reply is its text as generated, which
-        # the client sends back as it came, so the next turn reuses it.
-        run = await self.chat.start(
-            chat, tenant, route=ROUTE, cap_max_tokens=True, split_thinking=False
-        )
+        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
         custom = {t.get("name") for t in req.tools or [] if t.get("type") == "custom"}
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), custom)
         if req.stream:
             return EventStream(response.stream(run))
         result = await until_disconnected(request, collect(run.events))
-        text, calls = run.reply.whole(result.text)
+        thought, text, calls = run.reply.whole_all(result.text)
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        items = [_message(response.message_id, text or "", status)] if text else []
+        items = [_reasoning(response.reasoning_id, thought)] if thought is not None else []
+        items += [_message(response.message_id, text or "", status)] if text else []
         items += [_call_item(call, custom, status) for call in calls]
         usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
         return response.body(items, result.finish_reason, usage)
+
+
+def _reasoning(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    part = {"type": "reasoning_text", "text": text}
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [part]}  # fmt: skip
 
 
 def _message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -299,6 +314,7 @@ class _Response:
     def __init__(self, req: ResponsesRequest, rid: str, created: int, custom: set[str]) -> None:
         self.req, self.id, self.created, self.custom = req, rid, created, custom
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
         self.sequence = 0
         self.arguments: dict[int, str] = {}  # custom calls' arguments so far, by output index
 
@@ -341,6 +357,7 @@ class _Response:
     async def _events(self, run: Run, events: AsyncIterator[Any]) -> AsyncIterator[str]:
         items: list[dict[str, Any]] = []  # output items, as they stand
         text: list | None = None  # the message item's output index and text, once text comes
+        thinking: list | None = None  # the reasoning item's output index and text, while open
         blank = ""  # whitespace not yet sent: dropped if a call, not text, comes next
         calls: dict[int, int] = {}  # tool-call delta index -> output index
         cached = 0
@@ -360,7 +377,23 @@ class _Response:
                 return
             elif isinstance(event, Delta | Finished):
                 end = isinstance(event, Finished)
-                piece, deltas = run.reply.finish() if end else run.reply.feed(event.text)
+                fed = run.reply.finish_all() if end else run.reply.feed_all(event.text)
+                thought, piece, deltas = fed
+                if thought:
+                    if thinking is None:
+                        thinking = [len(items), ""]
+                        items.append(_reasoning(self.reasoning_id, "", "in_progress"))
+                        for out in self._open(thinking[0], items[-1], "reasoning_text"):
+                            yield out
+                    thinking[1] += thought
+                    yield self.event(
+                        "response.reasoning_text.delta", item_id=self.reasoning_id,
+                        output_index=thinking[0], content_index=0, delta=thought,
+                    )  # fmt: skip
+                if thinking is not None and (piece.strip() or deltas or end):
+                    for out in self._close_reasoning(items, thinking):
+                        yield out
+                    thinking = None
                 if text is None and piece and not piece.strip():
                     blank, piece = blank + piece, ""
                 if piece:
@@ -385,6 +418,27 @@ class _Response:
                     done = self.body(items, event.reason, usage)
                     yield self.event(f"response.{done['status']}", response=done)
                     return
+
+    def _open(self, index: int, item: dict[str, Any], part_type: str) -> list[str]:
+        part = {"type": part_type, "text": ""}
+        return [
+            self.event("response.output_item.added", output_index=index,
+                       item={**item, "content": []}),
+            self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                       content_index=0, part=part),
+        ]  # fmt: skip
+
+    def _close_reasoning(self, items: list, thinking: list) -> list[str]:
+        index, whole = thinking
+        items[index] = _reasoning(self.reasoning_id, whole)
+        part = {"type": "reasoning_text", "text": whole}
+        return [
+            self.event("response.reasoning_text.done", item_id=self.reasoning_id,
+                       output_index=index, content_index=0, text=whole),
+            self.event("response.content_part.done", item_id=self.reasoning_id,
+                       output_index=index, content_index=0, part=part),
+            self.event("response.output_item.done", output_index=index, item=items[index]),
+        ]  # fmt: skip
 
     def _open_message(self, index: int) -> list[str]:
         item = {**_message(self.message_id, "", "in_progress"), "content": []}  # parts follow

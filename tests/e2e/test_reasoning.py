@@ -156,3 +156,25 @@ def test_anthropic_thinking_blocks_whole_streamed_and_sent_back(live):
     r = client.messages.create(model="tiny", max_tokens=40, messages=again)
     first = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
     assert r.usage.cache_read_input_tokens >= first + whole.usage.output_tokens - 1
+
+
+def test_responses_reasoning_items_whole_streamed_and_sent_back(live):
+    openai = client(live)
+    first = openai.responses.create(model="tiny", input="Salutations?", max_output_tokens=40)
+    assert [item.type for item in first.output] == ["reasoning", "message"]
+    assert first.output[0].content[0].text == THOUGHT and first.output_text == ANSWER
+    with openai.responses.stream(model="tiny", input="Howdy?", max_output_tokens=40) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == THOUGHT and final.output_text == ANSWER
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    # Sent back as Codex does (the output items as they came), the next turn stays cached.
+    again = [
+        {"role": "user", "content": "Salutations?"},
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "user", "content": "More?"},
+    ]
+    r = openai.responses.create(model="tiny", input=again, max_output_tokens=40)
+    cached = r.usage.input_tokens_details.cached_tokens
+    assert cached >= first.usage.input_tokens + first.usage.output_tokens - 1
