@@ -19,7 +19,7 @@ from fastapi import Request
 from pydantic import Field
 
 from ..engine import Delta, Event, Failed, Finished, Started
-from .chat import ChatCompletionsServing, chat_request, render
+from .chat import ChatCompletionsServing, chat_request, message_chars, render
 from .errors import APIError
 from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
 from .limits import check_model, check_prompt_chars
@@ -172,7 +172,7 @@ class MessagesServing:
         thought, text, calls = run.reply.whole_all(result.text)
         reason = _stop_reason(result.finish_reason, result.stop_sequence, bool(calls))
         content: list[dict[str, Any]] = []
-        if thought is not None:  # a reasoning model's thinking, as a thinking block
+        if thought:  # a reasoning model's thinking, as a thinking block (as streamed: not empty)
             content.append({"type": "thinking", "thinking": thought, "signature": ""})
         if text:
             content.append({"type": "text", "text": text})
@@ -201,7 +201,7 @@ class MessagesServing:
         chat.model = self.served_as(req.model)
         engine = self.chat.engine
         check_model(chat.model, engine, self.chat.aliases)
-        check_prompt_chars(sum(len(m.content or "") for m in chat.messages), engine, "messages")
+        check_prompt_chars(sum(map(message_chars, chat.messages)), engine, "messages")
         tools = await off_loop(plan_tools, chat, engine)
         strip = self.chat.settings.strip_attribution_header
         return {"input_tokens": len(await off_loop(render, engine, chat, tools, strip))}

@@ -111,7 +111,7 @@ class ChatCompletionsServing(Surface):
                 f"{settings.max_messages}.",
                 param="messages",
             )
-        check_prompt_chars(sum(map(_chars, req.messages)), engine, "messages")
+        check_prompt_chars(sum(map(message_chars, req.messages)), engine, "messages")
         want_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
@@ -345,10 +345,12 @@ def _message(m: ChatMessage, index: int, templated: bool = True) -> dict[str, An
     return out
 
 
-def _chars(m: ChatMessage) -> int:
+def message_chars(m: ChatMessage) -> int:
+    """Characters of a message the template renders: a bound on its tokens' count."""
+    thinking = len(m.reasoning_content or m.reasoning or "")  # rendered too, by some templates
     if isinstance(m.content, list):
-        return sum(len(part.text or "") for part in m.content)
-    return len(m.content or "")
+        return thinking + sum(len(part.text or "") for part in m.content)
+    return thinking + len(m.content or "")
 
 
 def render(

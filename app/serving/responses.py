@@ -264,7 +264,10 @@ class ResponsesServing:
         result = await until_disconnected(request, collect(run.events))
         thought, text, calls = run.reply.whole_all(result.text)
         status = "incomplete" if result.finish_reason == "length" else "completed"
-        items = [_reasoning(response.reasoning_id, thought)] if thought is not None else []
+        items = []
+        if thought:  # as streamed: a thinking block with no text is left out
+            cut = status == "incomplete" and not text and not calls  # cut while thinking
+            items.append(_reasoning(response.reasoning_id, thought, status if cut else "completed"))
         items += [_message(response.message_id, text or "", status)] if text else []
         items += [_call_item(call, custom, status) for call in calls]
         usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
@@ -391,7 +394,8 @@ class _Response:
                         output_index=thinking[0], content_index=0, delta=thought,
                     )  # fmt: skip
                 if thinking is not None and (piece.strip() or deltas or end):
-                    for out in self._close_reasoning(items, thinking):
+                    cut = end and event.reason == "length" and not piece.strip() and not deltas
+                    for out in self._close_reasoning(items, thinking, cut):
                         yield out
                     thinking = None
                 if text is None and piece and not piece.strip():
@@ -428,9 +432,9 @@ class _Response:
                        content_index=0, part=part),
         ]  # fmt: skip
 
-    def _close_reasoning(self, items: list, thinking: list) -> list[str]:
+    def _close_reasoning(self, items: list, thinking: list, cut: bool) -> list[str]:
         index, whole = thinking
-        items[index] = _reasoning(self.reasoning_id, whole)
+        items[index] = _reasoning(self.reasoning_id, whole, "incomplete" if cut else "completed")
         part = {"type": "reasoning_text", "text": whole}
         return [
             self.event("response.reasoning_text.done", item_id=self.reasoning_id,

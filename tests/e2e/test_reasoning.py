@@ -178,3 +178,14 @@ def test_responses_reasoning_items_whole_streamed_and_sent_back(live):
     r = openai.responses.create(model="tiny", input=again, max_output_tokens=40)
     cached = r.usage.input_tokens_details.cached_tokens
     assert cached >= first.usage.input_tokens + first.usage.output_tokens - 1
+
+
+def test_a_reply_cut_while_thinking_is_an_incomplete_reasoning_item(live):
+    openai = client(live)
+    whole = openai.responses.create(model="tiny", input="Yo?", max_output_tokens=4)
+    with openai.responses.stream(model="tiny", input="Hiya?", max_output_tokens=4) as stream:
+        # The SDK's get_final_response() wants response.completed; this ends incomplete.
+        (streamed,) = [e.response for e in stream if e.type == "response.incomplete"]
+    for r in (whole, streamed):
+        assert r.status == "incomplete"
+        assert [(item.type, item.status) for item in r.output] == [("reasoning", "incomplete")]

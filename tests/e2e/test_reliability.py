@@ -65,13 +65,18 @@ def test_a_prompt_being_tokenized_does_not_stall_other_clients(small, monkeypatc
     wait_until(lambda: small.engine.in_flight == 0)
 
 
-def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(small, monkeypatch):
+@pytest.mark.parametrize("where", ["content", "reasoning_content"])
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
+    small, monkeypatch, where
+):
     def never(*args):
         raise AssertionError("tokenized a prompt that could never fit")
 
     monkeypatch.setattr(chat, "render", never)
     limit = 2 * small.engine.context_length * small.engine.max_token_chars
-    body = {**CHAT, "messages": [{"role": "user", "content": "a" * (limit + 1)}]}
+    # A reasoning model's thinking sent back is rendered too: it counts as content does.
+    long = {"role": "assistant", "content": "ok", where: "a" * (limit + 1)}
+    body = {**CHAT, "messages": [long, {"role": "user", "content": "Go on."}]}
     r = httpx.post(small.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
