@@ -7,7 +7,8 @@ the servers have it):
     alone (QK^T and PV) as the floor;
   - a forward pass of 100 new tokens on 0, 1k, 4k and 8k cached tokens, timed per op kind
     (each module evaluated on its own: matmuls, attention, norms, RoPE, the MLP's
-    activation, the rest), with MLX's attention and with the numpy path.
+    activation, the rest), with MLX's own kernels and with the CPU fast path (the
+    softmax and SwiGLU through numpy).
 Part 2, servers side by side (ours, ours --no-cpu-fast-path, mlx_lm.server), each
 alone in turn, greedy, through the `openai` SDK:
   - warm TTFT of ~100 new tokens on 1k, 2k, 4k and 8k cached tokens;
@@ -36,7 +37,7 @@ from multiturn import RESULTS, Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from app.models.default_model import default_model_dir
-from app.runtime import cpu_attention
+from app.runtime import cpu_activations, cpu_attention
 
 BUDGET = 4 * 1024**3
 
@@ -115,14 +116,18 @@ def profile_forward(model: Any, cached: int, fast: bool) -> dict:
         a, m = layer.self_attn, layer.mlp
         for owner, name, kind in [
             (a, "q_proj", "matmul"), (a, "k_proj", "matmul"), (a, "v_proj", "matmul"),
-            (a, "o_proj", "matmul"), (a, "rope", "RoPE"), (m, "gate_proj", "matmul"),
-            (m, "up_proj", "matmul"), (m, "down_proj", "matmul"),
+            (a, "o_proj", "matmul"), (a, "rope", "RoPE"), (m, "gate_proj", "mlp matmul"),
+            (m, "up_proj", "mlp matmul"), (m, "down_proj", "mlp matmul"),
             (layer, "input_layernorm", "norms"), (layer, "post_attention_layernorm", "norms"),
         ]:  # fmt: skip
             inner = getattr(owner, name)
             saved.append((owner, name, inner))
             setattr(owner, name, Timed(inner, kind, times))
     module.scaled_dot_product_attention = attention
+    cpu_activations.enabled = fast
+    for layer in model.layers:  # the MLP as a whole: its activation is what is not a matmul
+        saved.append((layer, "mlp", layer.mlp))
+        layer.mlp = Timed(layer.mlp, "mlp", times)
     tokens = mx.array([[(i * 104729) % 40000 + 100 for i in range(100)]])
     try:
         mx.eval(model(tokens, cache=cache))  # warm-up: the timed pass follows on a fresh copy
@@ -136,9 +141,12 @@ def profile_forward(model: Any, cached: int, fast: bool) -> dict:
         for owner, name, inner in saved:
             setattr(owner, name, inner)
         module.scaled_dot_product_attention = real_attention
-        cpu_attention.enabled = True
+        cpu_attention.enabled = cpu_activations.enabled = True
+    mlp = times.pop("mlp")
+    times["activation (SwiGLU)"] = mlp - times.pop("mlp matmul")
+    times["matmul"] += mlp - times["activation (SwiGLU)"]
     out = {kind: round(seconds * 1000, 1) for kind, seconds in sorted(times.items())}
-    out["rest (activation, residuals, embedding, head, cache writes)"] = round(
+    out["rest (residuals, embedding, head, cache writes)"] = round(
         (total - sum(times.values())) * 1000, 1
     )
     out["total"] = round(total * 1000, 1)
@@ -151,11 +159,12 @@ def part1(quick: bool) -> dict:
     cpu_attention.MIN_SCORES = 0
     model, _ = load(str(default_model_dir()))
     cpu_attention.install(model)
+    cpu_activations.install(model)
     result = {"layer_attention_4k": layer_attention(), "forward_100_tokens_ms": {}}
     print(result["layer_attention_4k"], flush=True)
     for cached in [0, 1000, 4000] if quick else [0, 1000, 4000, 8000]:
         for fast in (False, True):
-            name = f"{cached} cached, {'numpy' if fast else 'MLX'} attention"
+            name = f"{cached} cached, {'fast path' if fast else 'MLX'}"
             result["forward_100_tokens_ms"][name] = profile_forward(model, cached, fast)
             print(name, result["forward_100_tokens_ms"][name], flush=True)
     return result

@@ -4,11 +4,12 @@ Our server (default model, OpenBLAS preloaded, as `multiturn.start` runs it) get
 each N, a conversation whose first turn (a short system prompt and question) is sent
 first, then a follow-up carrying about N new tokens; the follow-up's TTFT is taken
 through the `openai` SDK, with the tokens it reports as cached and prompt. The limit is
-measured afterwards in this process, on the same model set up as the server sets it up
-(the same attention path): a cache holding that many tokens, then the new tokens
-prefilled in the server's chunks (512), then one decode step, each evaluated.
+measured afterwards in this process (medians of `--repeat` on both sides), on the same
+model set up as the server sets it up (the same CPU fast path): a cache holding that
+many tokens, then the new tokens prefilled in the server's chunks (512), then one
+decode step, each evaluated.
 
-    LD_PRELOAD=... python bench/ttft_floor.py [--new 100,500,2000,8000]
+    LD_PRELOAD=... python bench/ttft_floor.py [--new 100,250,500,2000,8000] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ BUDGET = 4 * 1024**3
 CHUNK = 512
 
 
-async def follow_ups(url: str, sizes: list[int]) -> list[Call]:
+async def follow_ups(url: str, sizes: list[int], repeat: int) -> list[Call]:
+    """Per size, the follow-up whose TTFT is the median of `repeat` (each its own words)."""
     out = []
     async with AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600) as c:
         for n in sizes:
@@ -37,15 +39,17 @@ async def follow_ups(url: str, sizes: list[int]) -> list[Call]:
                      {"role": "user", "content": "Hello."}]  # fmt: skip
             call = Call("floor", 0, 0, 0, first)
             await send(c, "bench", call, 8)
-            follow = [*first, {"role": "assistant", "content": call.reply},
-                      {"role": "user", "content": system_prompt(int(n * 0.77), n + 1)}]  # fmt: skip
-            call = Call("floor", 0, 1, 0, follow)
-            await send(c, "bench", call, 4)
-            out.append(call)
+            calls = []
+            for r in range(repeat):
+                new = {"role": "user", "content": system_prompt(int(n * 0.77), n + 1 + r)}
+                follow = [*first, {"role": "assistant", "content": call.reply}, new]
+                calls.append(Call("floor", 0, 1, 0, follow))
+                await send(c, "bench", calls[-1], 4)
+            out.append(sorted(calls, key=lambda x: x.ttft)[repeat // 2])
     return out
 
 
-def floor_seconds(model, cached: int, new: int, repeat: int = 3) -> float:
+def floor_seconds(model, cached: int, new: int, repeat: int) -> float:
     """Prefill `new` tokens on `cached` in CHUNK-sized steps, then one decode step."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -70,22 +74,24 @@ def floor_seconds(model, cached: int, new: int, repeat: int = 3) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--new", default="100,500,2000,8000")
+    ap.add_argument("--new", default="100,250,500,2000,8000")
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     sizes = [int(x) for x in args.new.split(",")]
     model_dir = str(default_model_dir())
     with running("ours", model_dir, 64, BUDGET) as server:
-        calls = asyncio.run(follow_ups(f"http://127.0.0.1:{server.port}", sizes))
+        calls = asyncio.run(follow_ups(f"http://127.0.0.1:{server.port}", sizes, args.repeat))
     from mlx_lm import load
 
-    from app.runtime import cpu_attention
+    from app.runtime import cpu_activations, cpu_attention
 
     model, _ = load(model_dir)
     cpu_attention.install(model)  # as build_engine does on the CPU
+    cpu_activations.install(model)
     rows = []
     for n, call in zip(sizes, calls, strict=True):
         new = call.prompt_tokens - call.cached_tokens
-        floor = floor_seconds(model, call.cached_tokens, new)
+        floor = floor_seconds(model, call.cached_tokens, new, args.repeat)
         rows.append({"asked": n, "cached": call.cached_tokens, "new": new, "ttft": call.ttft,
                      "floor": floor, "ratio": call.ttft / floor})  # fmt: skip
         print(rows[-1], flush=True)
