@@ -207,10 +207,10 @@ def serve(args: argparse.Namespace) -> int:
     if mx.default_device() == mx.cpu:
         (log.info if fast else log.warning)("CPU matmuls use %s", blas)
         log.info(
-            "attention: %s",
-            "the softmax and SwiGLU through numpy's vectorized exp (--no-cpu-fast-path: MLX's)"
+            "CPU fast path: %s",
+            "on where the model calls mlx-lm's attention and SwiGLU (--no-cpu-fast-path: off)"
             if settings.cpu_fast_path
-            else "MLX's own",
+            else "off: MLX's own kernels",
         )
     app = create_app(engine, settings=settings)
     log.info("sampling defaults: %s", app.state.server.defaults.describe())

@@ -34,6 +34,8 @@ from .schedule import Waiting, choose
 from .text import StopMatcher
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .engine import Engine
 
 log = logging.getLogger("mlx_cache_server.engine")
@@ -319,7 +321,12 @@ class Batch:
 
 
 def deliver(
-    engine: Engine, request: Request, token: int, logprobs: mx.array, finish, state
+    engine: Engine,
+    request: Request,
+    token: int,
+    logprobs: mx.array,
+    finish: str | None,
+    state: Callable[[], State | None],
 ) -> bool:
     """Send one generated token on; when it ends the request, cache its KV and say so."""
     delta, reason = next_output(request, engine.tokenizer, token, logprobs, finish)

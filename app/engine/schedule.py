@@ -71,9 +71,10 @@ def choose(
         return []  # it goes next: nobody starts ahead of it
     chosen = [] if prefilling else [line[0]]
     for w in line[len(chosen) :]:
-        # In line order each is the longest so far: if it finishes within its share
-        # of the step, so do the ones before it.
-        if w.remaining > budget // (len(prefilling) + len(chosen) + 1):
+        # Every prompt joining beside the first must finish within its share of the step
+        # (the first may be long: it has its turn; overdue ones head the line by age).
+        joining = [x.remaining for x in chosen[0 if prefilling else 1 :]]
+        if max([w.remaining, *joining]) > budget // (len(prefilling) + len(chosen) + 1):
             break
         chosen.append(w)
     if not chosen and len(prefilling) == 1 and line[0].remaining < prefilling[0]:

@@ -1,13 +1,13 @@
 """The MLP's SwiGLU on MLX's CPU device through numpy, whose exp is vectorized.
 
 `silu(gate) * x` takes one `exp` per element of the MLP's hidden width, and on Linux
-MLX's CPU `exp` is scalar: for a 100-token prefill of the default model the
-activation cost more than half of what was not a matmul or attention, and every
-decode step of many streams pays it too (bench/README.md, "Attention on the Linux
-CPU"). Same conditions as `cpu_attention`: MLX's CPU device, float32, enough
-elements to pay for the round trip; anything else goes to mlx-lm's own compiled
-`swiglu`. Elementwise, so the result of an element never depends on how a prompt
-was cut into chunks: cached and uncached runs compute the same values.
+MLX's CPU `exp` is scalar: after attention, the activation was the largest cost of a
+prefill that was not a matmul, and every decode step of many streams pays it too
+(bench/README.md, "Attention on the Linux CPU", has the profile). Same conditions as
+`cpu_attention`: MLX's CPU device, float32, enough elements to pay for the round
+trip; anything else goes to mlx-lm's own compiled `swiglu`. Elementwise, so the
+result of an element never depends on how a prompt was cut into chunks: cached and
+uncached runs compute the same values.
 """
 
 from __future__ import annotations

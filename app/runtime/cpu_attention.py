@@ -5,9 +5,10 @@ chunk's softmax over a long context is most of its attention's time (bench/READM
 "Attention on the Linux CPU"). Here the two matmuls stay in MLX (its BLAS) and the
 softmax runs in numpy on a zero-copy view of the scores: its SIMD exp. numpy's own
 BLAS is not used: a second BLAS thread pool spinning beside MLX's slowed every
-matmul of the forward pass on this 2-core machine. Queries are taken in chunks so
-that a chunk's scores stay under `CHUNK_SCORES` values however long the context:
-rows are independent, so each is an exact softmax, with no rescaling.
+matmul of the forward pass on a machine with few cores. Queries are taken in chunks
+so that a chunk's scores stay under `CHUNK_SCORES` values (a chunk holds at least
+one query per sequence, so a decode step's scores are computed at once): rows are
+independent, so each is an exact softmax, with no rescaling.
 
 It takes over only where it is faster and means the same: MLX's CPU device, float32
 queries, keys and values, no quantized cache, no attention sinks, and enough scores

@@ -92,12 +92,8 @@ class ChatCompletionsServing(Surface):
         tenant: str | None,
         route: str = ROUTE,
         cap_max_tokens: bool = False,
-        split_thinking: bool = True,
     ) -> Run:
         """Check a chat request, render it, and start its generation.
-
-        `split_thinking`: a reasoning model's thinking goes to `reasoning_content`; off,
-        the reply is its text as generated (the surfaces that have no place for it yet).
 
         What the chat surfaces share: Anthropic's Messages API translates its
         request into a chat request and starts it here.
@@ -142,8 +138,7 @@ class ChatCompletionsServing(Surface):
         cid = new_id("chatcmpl")
         ctx = RequestContext(cid, route, req.model, tenant)
         events = tracked(engine, tokens, params, ctx, settings.request_timeout, self.metrics, slot)
-        thinking = _thinking(engine, tokens, tools, grammar) if split_thinking else None
-        reply = Reply(engine, req, tools, thinking)
+        reply = Reply(engine, req, tools, _thinking(engine, tokens, tools, grammar))
         return Run(cid, now(), events, reply, want_logprobs, len(tokens))
 
 

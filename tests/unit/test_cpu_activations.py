@@ -25,6 +25,8 @@ def test_small_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     calls = []
     monkeypatch.setattr(activations, "swiglu", lambda g, x: calls.append(g.shape) or g)
     big = mx.ones((4, 8, 1024))
+    cpu_activations.swiglu(big, big)  # float32, large: numpy's
+    assert calls == []
     cpu_activations.swiglu(mx.ones((1, 1, 64)), mx.ones((1, 1, 64)))  # one decode row: small
     cpu_activations.swiglu(big.astype(mx.float16), big.astype(mx.float16))
     monkeypatch.setattr(cpu_activations, "enabled", False)

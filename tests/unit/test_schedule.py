@@ -61,5 +61,12 @@ def test_overdue_prompts_go_oldest_first_then_shortest_first_ties_by_arrival():
     assert [w.item for w in in_line(line, now=20.0, max_wait=10.0)] == ["b", "a", "d", "c"]
 
 
+def test_beside_an_overdue_prompt_only_what_fits_its_share_starts():
+    # Overdue prompts head the line by age, not length: a longer one may follow a shorter.
+    line = [Waiting("old", 300, 0.0), Waiting("older", 250, 1.0), Waiting("new", 160, 15.0)]
+    # Three would share 512 tokens, 170 each: "older" would not finish in its share.
+    assert choose(line, [], BUDGET, now=20.0, max_wait=MAX_WAIT) == ["old", "older"]
+
+
 def test_nothing_waiting_nothing_starts():
     assert choose([], [100], BUDGET, now=0.0, max_wait=MAX_WAIT) == []

@@ -1,5 +1,6 @@
-"""With attention through numpy (the CPU fast path, on by default on the CPU), greedy
-output with the cache equals output without it, through the `openai` SDK."""
+"""With the CPU fast path (attention's softmax and the MLP's SwiGLU through numpy, on by
+default on the CPU), greedy output with the cache equals output without it, through the
+`openai` SDK."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
 
     monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)  # every call, decode steps too
     monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
+    taken, eligible = [], cpu_activations._eligible
+
+    def deciding(*args):  # the SwiGLU's choice of path, each call
+        taken.append(eligible(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(cpu_activations, "_eligible", deciding)
     monkeypatch.setattr(cpu_attention, "attention", counting)
     system = {"role": "system", "content": "You are a helpful assistant. " * 20}
     with (
@@ -44,3 +52,4 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
             messages.append({"role": "assistant", "content": text})
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
+    assert taken and all(taken)  # every SwiGLU through numpy
