@@ -12,12 +12,13 @@ uncached runs compute the same values.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import activations
+
+from .model_hooks import rebind
 
 MIN_ELEMENTS = 1 << 14  # below: one stream's decode step, MLX's compiled kernel is as fast
 
@@ -49,14 +50,5 @@ def _eligible(gate: mx.array, x: mx.array) -> bool:
 
 
 def install(model: Any) -> bool:
-    """Route `model`'s SwiGLU here, where its modules call mlx-lm's `swiglu` by name."""
-    installed = False
-    for part in [model, *model.modules()]:
-        module = sys.modules.get(type(part).__module__)
-        current = getattr(module, "swiglu", None)
-        if current is None or module is activations:
-            continue
-        if current is activations.swiglu or current is swiglu:
-            module.swiglu = swiglu
-            installed = True
-    return installed
+    """Route `model`'s SwiGLU here; False if no part of it calls mlx-lm's `swiglu` by name."""
+    return rebind(model, "swiglu", activations.swiglu, swiglu, home=activations)

@@ -16,18 +16,20 @@ that the round trip through numpy pays (`MIN_SCORES`: a prefill chunk over a lon
 context, or a decode step of many streams or heads over one). Everything else goes
 to mlx-lm's own `scaled_dot_product_attention`.
 
-It is installed by rebinding the name a model's module calls (`install`), mlx-lm's
-attention entry point: no mlx-lm file is changed, and `enabled` turns it off.
+It is installed by rebinding the name a model's modules call (`install`, through
+`model_hooks.rebind`), mlx-lm's attention entry point: no mlx-lm file is changed, and
+`enabled` turns it off.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
+
+from .model_hooks import rebind
 
 MIN_SCORES = 1 << 18  # scores of one call below which MLX's own kernel is as fast
 CHUNK_SCORES = 1 << 22  # scores computed at once (16 MiB of float32)
@@ -133,16 +135,9 @@ def _mask(mask: Any, b: int, n_kv: int, groups: int, n_q: int, n_k: int) -> np.n
 
 
 def install(model: Any) -> bool:
-    """Route `model`'s attention through this module: the name is rebound in the module of
-    every part of the model that calls it (a wrapper model's own module may not: its
-    language model's does). False if none does."""
-    installed = False
-    for part in [model, *model.modules()]:
-        module = sys.modules.get(type(part).__module__)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is None:
-            continue
-        if current is not scaled_dot_product_attention:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
-        installed = True
-    return installed
+    """Route `model`'s attention through this module; False if no part of it calls
+    mlx-lm's `scaled_dot_product_attention` by name."""
+    return rebind(
+        model, "scaled_dot_product_attention", base.scaled_dot_product_attention,
+        scaled_dot_product_attention, home=base,
+    )  # fmt: skip
