@@ -100,7 +100,7 @@ class Batch:
         plan = plan_admission(
             [r for r, _ in self.queue],
             leaders,
-            cached=lambda r: cache.peek(r.cache_key, r.packed)[1],
+            cached=self._held,
             min_shared=self.engine.min_shared_prefix,
         )
         following = [r for r, leader in plan.leader_of.items() if any(leader is x for x in leaders)]
@@ -109,9 +109,12 @@ class Batch:
         self.queue = [(r, t) for r, t in self.queue if all(r is not f for f in following)]
 
     def _uncached(self, request: Request) -> int:
+        return len(request.tokens) - self._held(request)
+
+    def _held(self, request: Request) -> int:
+        """Tokens of the request's prompt the cache holds now."""
         cache = self.engine.cache
-        held = cache.peek(request.cache_key, request.packed)[1] if cache is not None else 0
-        return len(request.tokens) - held
+        return cache.peek(request.cache_key, request.packed)[1] if cache is not None else 0
 
     def _plan(self, new: list[Request]) -> None:
         cache = self.engine.cache
@@ -123,7 +126,7 @@ class Batch:
         plan = plan_admission(
             new,
             prefilling,
-            cached=lambda r: cache.peek(r.cache_key, r.packed)[1],
+            cached=self._held,
             min_shared=self.engine.min_shared_prefix,
         )
         for follower, leader in plan.leader_of.items():

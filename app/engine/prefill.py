@@ -36,10 +36,20 @@ def prefill_alone(
         model(mx.array(tokens[at : at + step])[None], cache=cache)
         mx.eval([c.state for c in cache])
     logits = last_logits(model, mx.array(tokens[last:])[None], cache)
-    context = mx.array(tokens, dtype=mx.int32)
-    for processor in processors:
-        logits = processor(context, logits)
+    token, logprobs = sample(logits, tokens, sampler, processors)
+    return int(token.item()), logprobs[0]
+
+
+def sample(
+    logits: mx.array, tokens: list[int], sampler: Callable, processors: list[Callable]
+) -> tuple[mx.array, mx.array]:
+    """The next token after `tokens` and the logprobs it was drawn from (one row each),
+    evaluated: `logits` through the processors, normalized, sampled."""
+    if processors:
+        context = mx.array(tokens, dtype=mx.int32)
+        for processor in processors:
+            logits = processor(context, logits)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     token = sampler(logprobs)
     mx.eval(token, logprobs)
-    return int(token.item()), logprobs[0]
+    return token, logprobs

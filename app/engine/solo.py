@@ -35,6 +35,7 @@ from .batch import State, deliver, store
 from .chunking import StepCosts, chunk_size
 from .events import Failed, Finished, Started
 from .last_logits import last_logits
+from .prefill import sample
 from .request import Request
 from .text import StopMatcher
 
@@ -205,13 +206,7 @@ class Solo:
 
     def _sample(self, run: _Run, logits: mx.array) -> None:
         request, engine = run.request, self.engine
-        if run.processors:
-            context = mx.array(run.fed, dtype=mx.int32)
-            for processor in run.processors:
-                logits = processor(context, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = run.sampler(logprobs)
-        mx.eval(token, logprobs)
+        token, logprobs = sample(logits, run.fed, run.sampler, run.processors)
         if request.fault is not None:
             return
         token = int(token.item())
