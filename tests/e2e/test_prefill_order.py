@@ -103,6 +103,14 @@ def test_a_short_prompt_starts_beside_a_long_prefill_and_answers_first(tiny_mode
     assert log.first("long", Started) < log.first("short", Started)
 
 
+def queue_behind_a_prefill(engine, log: Log) -> None:
+    """ "first" prefilling (a small prefill_step_size makes it take many steps), then
+    "queued", longer, which waits in the batch's queue for it."""
+    engine.submit(list(range(3, 90)) * 40, SamplingParams(max_tokens=2), log.sink("first"))
+    wait_until(lambda: engine.running == 1)
+    engine.submit(list(range(5, 90)) * 50, SamplingParams(max_tokens=2), log.sink("queued"))
+
+
 def started(log: Log, name: str) -> Started:
     return next(e for n, e in log.events if n == name and isinstance(e, Started))
 
@@ -160,10 +168,8 @@ def test_requests_taken_from_the_queue_are_answered_when_admitting_them_fails(
     log = Log()
     engine.start()
     try:
-        engine.submit(list(range(3, 90)) * 40, SamplingParams(max_tokens=2), log.sink("first"))
-        wait_until(lambda: engine.running == 1)
         # Longer than the one prefilling: it waits in the queue, then its admission fails.
-        engine.submit(list(range(5, 90)) * 50, SamplingParams(max_tokens=2), log.sink("queued"))
+        queue_behind_a_prefill(engine, log)
         wait_until(lambda: log.ended("first") and log.ended("queued"))
     finally:
         engine.stop()
@@ -176,9 +182,7 @@ def test_a_request_waiting_for_its_turn_counts_as_waiting(tiny_model_dir):
     log = Log()
     engine.start()
     try:
-        engine.submit(list(range(3, 90)) * 40, SamplingParams(max_tokens=2), log.sink("first"))
-        wait_until(lambda: engine.running == 1)
-        engine.submit(list(range(5, 90)) * 50, SamplingParams(max_tokens=2), log.sink("queued"))
+        queue_behind_a_prefill(engine, log)
         # As /health and mlx_queue_depth report it: submitted, not yet running.
         wait_until(lambda: engine.waiting == 1 and engine.running == 1 or log.ended("first"))
         assert not log.ended("first")
