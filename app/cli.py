@@ -9,10 +9,9 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from signal import SIGINT, SIGTERM
-from typing import Any
 
 log = logging.getLogger("mlx_cache_server")
 
@@ -21,13 +20,32 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-cache-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve.add_argument("--model", help="model folder or Hugging Face id (default: embedded)")
-    serve.add_argument("--served-model-name", help="the model id clients use")
+    serve.add_argument(
+        "--model",
+        action="append",
+        help="model folder, Hugging Face id or .gguf file (default: embedded); repeat to serve "
+        "several, loaded on first use; the first is the default",
+    )
+    serve.add_argument("--served-model-name", help="the id clients use for the first model")
     serve.add_argument(
         "--model-alias",
         dest="model_aliases",
         action="append",
         help="another name clients may send for the model, e.g. gpt-4o (repeatable)",
+    )
+    serve.add_argument(
+        "--memory-budget",
+        help="bytes all loaded models may take (weights, caches, working memory), e.g. 16GiB: "
+        "loading one that does not fit unloads the least recently used idle ones",
+    )
+    serve.add_argument(
+        "--model-ttl", type=float, help="unload a model idle this many seconds (default: never)"
+    )
+    serve.add_argument(
+        "--working-memory", help="per model, beyond weights and cache, in the budget (512MiB)"
+    )
+    serve.add_argument(
+        "--model-load-timeout", type=float, help="seconds a request waits for its model (300)"
     )
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8080)")
@@ -154,33 +172,31 @@ def import_command(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
+    from .models.default_model import NAME
+    from .models.specs import model_specs
     from .runtime.blas import describe as describe_blas
     from .runtime.memory import limit_buffer_pool, unmap_large_blocks
-    from .server.app import build_engine, create_app, weights_dtype
+    from .server.app import create_app
     from .server.auth import tenant_of
     from .server.connections import uvicorn_config
+    from .server.loader import model_pool
+    from .serving.metrics import Metrics
     from .serving.warm import load_warm_prompts, warm
-    from .settings import describe_size, load_settings
+    from .settings import load_settings
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    paths = flags.pop("model") or []
+    flags["model"] = paths[0] if paths else None
     try:
         settings = load_settings(args.config, flags)
+        settings.models = settings.models + [{"path": p} for p in paths[1:]]
+        specs = model_specs(settings, NAME)
     except (OSError, ValueError) as e:
         print(f"mlx-cache-server: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    model_path = settings.model
-    if model_path is None:
-        from .models.default_model import NAME, default_model_dir
-
-        settings.served_model_name = settings.served_model_name or NAME
-        try:
-            model_path = str(default_model_dir(progress=log.info))
-        except FileNotFoundError as e:
-            print(f"mlx-cache-server: {e}", file=sys.stderr)
-            return 2
     warm_items = []
     if settings.warm_prompts and not settings.no_cache:
         try:
@@ -190,20 +206,7 @@ def serve(args: argparse.Namespace) -> int:
             return 2
     unmap_large_blocks()  # before the model's buffers are allocated
     limit_buffer_pool()
-    try:
-        engine = build_engine(settings, model_path)
-    except ValueError as e:  # settings this model cannot run with (--kv-bits, say)
-        print(f"mlx-cache-server: {e}", file=sys.stderr)
-        return 2
     blas, fast = describe_blas()
-    log.info(
-        "model %s (%s, %s weights) on %s; context %d tokens",
-        engine.model_id,
-        model_path,
-        weights_dtype(engine.model),
-        mx.default_device(),
-        engine.context_length,
-    )
     if mx.default_device() == mx.cpu:
         (log.info if fast else log.warning)("CPU matmuls use %s", blas)
         log.info(
@@ -212,42 +215,47 @@ def serve(args: argparse.Namespace) -> int:
             if settings.cpu_fast_path
             else "off: MLX's own kernels",
         )
-    app = create_app(engine, settings=settings)
-    log.info("sampling defaults: %s", app.state.server.defaults.describe())
-    if engine.cache is None:
-        log.info("prompt cache: off (--no-cache)")
-    else:
+    metrics = Metrics()
+    pool = model_pool(settings, specs, metrics)
+    try:
+        for spec in [specs[0], *(s for s in specs[1:] if s.pinned)]:
+            pool.open_now(spec.id)
+    except (FileNotFoundError, ValueError) as e:  # a missing model; settings it cannot take
+        print(f"mlx-cache-server: {e}", file=sys.stderr)
+        pool.close()
+        return 2
+    for state in pool.states():
         log.info(
-            "prompt cache: at most %d sequences, %s, %s",
-            settings.cache_max_sequences,
-            describe_size(settings.cache_max_bytes),
-            "full-precision KV"
-            if settings.kv_bits is None
-            else f"{settings.kv_bits}-bit KV in groups of {settings.kv_group_size}",
+            "model %s: %s, %d MiB counted%s%s",
+            state.spec.id,
+            state.status,
+            state.bytes >> 20,
+            ", pinned" if state.spec.pinned else "",
+            f", unloaded after {state.spec.ttl:g} s idle" if state.spec.ttl else "",
         )
-        disk = engine.cache.disk
-        if disk is not None:
-            log.info(
-                "disk tier: %s, %s of %s (%d files restored)",
-                disk.folder,
-                describe_size(disk.nbytes),
-                describe_size(disk.max_bytes),
-                disk.stats.files,
-            )
-    engine.start()
-    if warm_items:  # behind the server's start: requests meanwhile queue with them
+    if settings.memory_budget is not None:
+        log.info("memory budget for the models: %d MiB", settings.memory_budget >> 20)
+    app = create_app(pool, settings=settings, metrics=metrics)
+    first = pool.get(specs[0].id)
+    if warm_items and first is not None:  # behind the server's start: requests queue with them
         namespaces = [tenant_of(k) for k in settings.api_keys] or [None]
-        warming = (engine, warm_items, namespaces, settings.strip_attribution_header)
+        warming = (
+            first.engine, warm_items, namespaces, settings.strip_attribution_header,
+            first.settings.chat_template_kwargs,
+        )  # fmt: skip
         threading.Thread(target=warm, args=warming, daemon=True).start()
+
+    def stop_engines() -> None:
+        for loaded in pool.loaded():
+            loaded.served.engine.stop()
+
     try:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
-        # then cancels them (which cancels their generations); the engine stops after.
+        # then cancels them (which cancels their generations); the engines stop after.
         config = uvicorn_config(app, settings)
-        _graceful_server_class()(config, engine, settings.shutdown_grace).run()
+        _graceful_server_class()(config, stop_engines, settings.shutdown_grace).run()
     finally:
-        engine.stop()
-        if engine.cache is not None and engine.cache.disk is not None:
-            engine.cache.disk.close(settings.shutdown_grace)  # the writes still queued
+        pool.close()  # each engine stopped, each disk tier's queued writes written
     log.info("stopped")
     logging.shutdown()
     sys.stdout.flush()
@@ -267,23 +275,25 @@ def _graceful_server_class() -> type:
         """uvicorn's shutdown on SIGINT/SIGTERM, ending every stream properly, and exit 0.
 
         Requests still running when the grace period ends are failed by stopping
-        the engine, so their streams end with an error event and `[DONE]` instead
+        the engines, so their streams end with an error event and `[DONE]` instead
         of being cut; uvicorn's own cancellation (`connections.END_MARGIN` later)
         is only the last resort. uvicorn re-raises the signal once it has shut
         down, which would kill the process before the engine is stopped and make
         a clean stop look like a crash.
         """
 
-        def __init__(self, config: uvicorn.Config, engine: Any, grace: float) -> None:
+        def __init__(
+            self, config: uvicorn.Config, stop_engines: Callable[[], None], grace: float
+        ) -> None:
             super().__init__(config)
-            self.engine, self.grace = engine, grace
+            self.stop_engines, self.grace = stop_engines, grace
 
         async def _wait_tasks_to_complete(self) -> None:
             try:
                 await asyncio.wait_for(super()._wait_tasks_to_complete(), self.grace)
             except asyncio.TimeoutError:
                 log.warning("grace period over: ending the requests still running")
-                await asyncio.to_thread(self.engine.stop)
+                await asyncio.to_thread(self.stop_engines)
                 await super()._wait_tasks_to_complete()
 
         @contextlib.contextmanager

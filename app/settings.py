@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -22,6 +23,13 @@ class Settings:
     model: str | None = None  # a local folder or Hugging Face id; None: the embedded default
     served_model_name: str | None = None
     model_aliases: list[str] = field(default_factory=list)  # more names clients may send for it
+    # More models, from the settings file's [[models]] tables (app/models/specs.py).
+    models: list[dict[str, Any]] = field(default_factory=list)
+    model_ttl: float | None = None  # idle seconds before a model is unloaded; None: never
+    memory_budget: int | None = None  # weights + caches + working memory of loaded models
+    working_memory: int = 512 * 1024**2  # per model, beyond weights and cache, in the budget
+    model_load_timeout: float = 300.0  # seconds a request waits for its model to load
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
     host: str = "127.0.0.1"
     port: int = 8080
     cache_max_sequences: int = 64
@@ -86,8 +94,18 @@ def parse_size(text: str | int) -> int:
 def _coerce(name: str, value: Any) -> Any:
     if value is None:
         return None
-    if name in ("cache_max_bytes", "cache_disk_bytes", "max_body_bytes"):
+    if name in ("cache_max_bytes", "cache_disk_bytes", "max_body_bytes", "memory_budget",
+                "working_memory"):  # fmt: skip
         return parse_size(value)
+    if name == "models":
+        if not isinstance(value, list):
+            raise ValueError("models: expected [[models]] tables in the settings file")
+        return value
+    if name == "chat_template_kwargs":
+        value = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(value, dict):
+            raise ValueError("chat_template_kwargs: expected a table (a JSON object)")
+        return value
     kind = {f.name: f.type for f in fields(Settings)}[name]
     if kind.startswith("list"):
         items = value.split(",") if isinstance(value, str) else list(value)
@@ -116,6 +134,8 @@ def load_settings(config: Path | None, flags: dict[str, Any]) -> Settings:
             values[f.name] = env
     values.update({k: v for k, v in flags.items() if v is not None})
     settings = Settings(**{k: _coerce(k, v) for k, v in values.items()})
+    if settings.model_ttl is not None and not settings.model_ttl > 0:
+        raise ValueError(f"model_ttl must be a positive number of seconds: {settings.model_ttl}")
     if not 0 < settings.decode_gap < float("inf"):
         raise ValueError(
             f"decode_gap must be a positive number of seconds, not {settings.decode_gap}"

@@ -15,8 +15,10 @@ import httpx
 import uvicorn
 
 from app.engine import Engine
+from app.models.pool import ModelPool
 from app.server import build_engine, create_app
 from app.server.connections import uvicorn_config
+from app.serving.metrics import Metrics
 from app.settings import Settings
 
 
@@ -27,12 +29,21 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine: Engine, settings: Settings | None = None) -> None:
-        self.engine = engine
+    """`models`: one engine (started and stopped here), or a pool (its models loaded on use,
+    unloaded at stop)."""
+
+    def __init__(
+        self,
+        models: Engine | ModelPool,
+        settings: Settings | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.engine = models if isinstance(models, Engine) else None
+        self.pool = models if isinstance(models, ModelPool) else None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         settings = settings or Settings()
-        self.app = create_app(engine, settings=settings)
+        self.app = create_app(models, settings=settings, metrics=metrics)
         config = uvicorn_config(
             self.app, settings, host="127.0.0.1", port=self.port, log_level="warning"
         )
@@ -40,7 +51,8 @@ class LiveServer:
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def start(self) -> LiveServer:
-        self.engine.start()
+        if self.engine is not None:
+            self.engine.start()
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -52,6 +64,9 @@ class LiveServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+        if self.pool is not None:
+            self.pool.close()
+            return
         self.engine.stop()
         if self.engine.cache is not None and self.engine.cache.disk is not None:
             self.engine.cache.disk.close(10)

@@ -7,6 +7,7 @@ float32 on Linux (MLX's fast CPU path), float16 on macOS (Metal).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -47,18 +48,47 @@ def gguf_path() -> Path:
 def default_model_dir(progress: Callable[[str], None] = lambda _: None) -> Path:
     """The imported default model's folder, importing it on first use."""
     dtype = default_dtype()
-    target = cache_root() / f"{NAME}-{dtype}"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        _write_generation_config(target)
-        return target
-    src = gguf_path()
-    progress(f"importing the default model {NAME} ({dtype}) into {target}; once only")
+    target = default_target()
+    if not _complete(target):
+        src = gguf_path()
+        progress(f"importing the default model {NAME} ({dtype}) into {target}; once only")
+        import_once(src, target, dtype, progress)
+    _write_generation_config(target)
+    return target
+
+
+def gguf_model_dir(path: Path, progress: Callable[[str], None] = lambda _: None) -> Path:
+    """The MLX folder of a GGUF file named in the settings, imported on first use."""
+    target = gguf_target(path)
+    if not _complete(target):
+        progress(f"importing {path} ({default_dtype()}) into {target}; once only")
+        import_once(Path(path).expanduser(), target, default_dtype(), progress)
+    return target
+
+
+def gguf_target(path: Path) -> Path:
+    """Where a GGUF file is imported to, keyed by its path, size and time: a file replaced
+    in place is imported afresh."""
+    path = Path(path).expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / f"{path.stem}-{default_dtype()}-{key}"
+
+
+def default_target() -> Path:
+    return cache_root() / f"{NAME}-{default_dtype()}"
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def import_once(src: Path, target: Path, dtype: str, progress: Callable[[str], None]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Import next to the target and rename: a crash never leaves half a model there.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         import_gguf(src, tmp, dtype=dtype, progress=progress)
-        _write_generation_config(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -66,7 +96,6 @@ def default_model_dir(progress: Callable[[str], None] = lambda _: None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # At OpenAI's default temperature (1.0) this 135M model rambles ("Estcommunie au Coiffe

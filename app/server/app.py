@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +23,32 @@ from prompt_cache.disk import DiskTier, DiskTierBusy
 from ..engine import Engine
 from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
+from ..models.pool import ModelPool
+from ..models.specs import ModelSpec
+from ..models.specs import model_id as model_id_of
 from ..runtime import cpu_activations, cpu_attention
-from ..serving.anthropic import MessagesServing
-from ..serving.chat import ChatCompletionsServing
-from ..serving.completions import CompletionsServing
-from ..serving.defaults import generation_config, model_folder, sampling_defaults
+from ..serving.defaults import generation_config, model_folder
 from ..serving.metrics import Metrics
-from ..serving.responses import ResponsesServing
 from ..serving.schemas import ErrorResponse
 from ..settings import Settings
-from . import errors
+from . import errors, routes
 from .auth import authorize
 from .connections import HeaderLimit
+from .loader import ModelLoader, ServedModel, serve_engine
 from .middleware import BodyLimit, RequestCounter
-from .routes import cache, chat, completions, health, messages, metrics, models, responses
 from .state import ServerState
 
 log = logging.getLogger("mlx_cache_server")
 
 
-def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
+def create_app(
+    models: ModelPool | Engine, settings: Settings | None = None, metrics: Metrics | None = None
+) -> FastAPI:
+    """The app serving `models`: a pool of configured models, or one engine already built."""
     settings = settings or Settings()
+    metrics = metrics or Metrics()
+    pool = models if isinstance(models, ModelPool) else single_model(models, settings, metrics)
+    metrics.watch(pool)
     app = FastAPI(
         title="mlx-cache-server",
         summary="OpenAI-compatible MLX server with a shared prefix-sharing prompt cache",
@@ -48,26 +56,18 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         openapi_url=None,  # served below, behind the API keys like the API itself
         docs_url=None,
         redoc_url=None,
+        lifespan=_sweeping(pool),
     )
-    aliases = model_aliases(engine.model_id) | set(settings.model_aliases)
-    metrics_ = Metrics(engine)
-    defaults = sampling_defaults(settings, engine.generation_config)
-    chat_serving = ChatCompletionsServing(engine, settings, metrics_, aliases, defaults)
     app.state.server = ServerState(
-        engine=engine,
-        settings=settings,
-        metrics=metrics_,
-        started=int(time.time()),
-        model_aliases=aliases,
-        defaults=defaults,
-        chat=chat_serving,
-        completions=CompletionsServing(engine, settings, metrics_, aliases, defaults),
-        messages=MessagesServing(chat_serving),
-        responses=ResponsesServing(chat_serving),
+        settings=settings, metrics=metrics, started=int(time.time()), models=pool
     )
     errors.install(app)
-    for module in (chat, completions, messages, responses, models, health, cache, metrics):
+    for module in (
+        routes.chat, routes.completions, routes.messages, routes.responses, routes.models,
+        routes.health, routes.cache, routes.metrics,
+    ):  # fmt: skip
         app.include_router(module.router)
+    app.include_router(routes.models.admin)
     app.openapi = lambda: _openapi(app)
     _serve_docs(app)
     if settings.cors_origins:
@@ -81,7 +81,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     app.add_middleware(HeaderLimit)
-    app.add_middleware(RequestCounter, metrics=metrics_)
+    app.add_middleware(RequestCounter, metrics=metrics)
     return app
 
 
@@ -150,6 +150,33 @@ def model_aliases(model_id: str) -> set[str]:
     return {model_id, Path(model_id).name, "default"}
 
 
+def single_model(engine: Engine, settings: Settings, metrics: Metrics) -> ModelPool:
+    """A pool of the one engine given, pinned: a test's, or a program's that built its own."""
+    spec = ModelSpec(engine.model_id, None, tuple(settings.model_aliases), pinned=True)
+    pool: ModelPool[ServedModel] = ModelPool([spec], ModelLoader(settings, metrics, _names))
+    names = model_aliases(engine.model_id) | set(settings.model_aliases)
+    pool.adopt(spec, serve_engine(spec, engine, settings, metrics, names))
+    return pool
+
+
+def _names(spec: ModelSpec) -> set[str]:
+    return spec.names()
+
+
+def _sweeping(pool: ModelPool):
+    """The app's lifespan: idle models unloaded (their ttl) while it serves."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(pool.sweep_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    return lifespan
+
+
 def build_engine(settings: Settings, model_path: str) -> Engine:
     from mlx_lm import load
 
@@ -162,7 +189,7 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or _context_length(model)
-    model_id = settings.served_model_name or _model_id(model_path)
+    model_id = settings.served_model_name or model_id_of(model_path)
     if settings.kv_bits is not None:
         check_quantized(model, settings.kv_group_size, settings.kv_bits)
     cache = None
@@ -192,11 +219,6 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
     )
-
-
-def _model_id(model_path: str) -> str:
-    path = Path(model_path)
-    return path.name if path.exists() else model_path
 
 
 def weights_dtype(model) -> str:

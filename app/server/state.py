@@ -2,33 +2,64 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..engine import Engine
-from ..serving.anthropic import MessagesServing
-from ..serving.chat import ChatCompletionsServing
-from ..serving.completions import CompletionsServing
-from ..serving.defaults import SamplingDefaults
+from ..models.pool import ModelBusy, ModelPool, ModelUnavailable, UnknownModel
+from ..serving.errors import APIError
 from ..serving.metrics import Metrics
-from ..serving.responses import ResponsesServing
 from ..settings import Settings
+from .loader import ServedModel
 
 
 @dataclass
 class ServerState:
-    engine: Engine
     settings: Settings  # the one source of every limit
     metrics: Metrics
     started: int  # when the server started, as models' `created`
-    model_aliases: set[str]  # names a request may use for the served model
-    defaults: SamplingDefaults  # sampling for what a request leaves out
-    chat: ChatCompletionsServing
-    completions: CompletionsServing
-    messages: MessagesServing
-    responses: ResponsesServing
+    models: ModelPool[ServedModel]
+
+    @contextlib.asynccontextmanager
+    async def model(self, name: str) -> AsyncIterator[ServedModel]:
+        """The model a request names, loaded, held while the block runs; errors as the API's."""
+        with pool_errors(self.models):  # the block's own errors are never the pool's
+            async with self.models.use(name) as served:
+                yield served
+
+    def loaded(self, name: str) -> ServedModel | None:
+        """The model `name` names if it is loaded (a 404 if no model has that name)."""
+        with pool_errors(self.models):
+            return self.models.get(name)
+
+
+@contextlib.contextmanager
+def pool_errors(pool: ModelPool) -> Iterator[None]:
+    """The pool's refusals as HTTP errors a client can act on."""
+    try:
+        yield
+    except UnknownModel as e:
+        served = ", ".join(sorted(s.id for s in pool.specs))
+        raise APIError(
+            404,
+            f"The model '{e.args[0]}' does not exist. This server serves: {served}; "
+            "list them with GET /v1/models.",
+            param="model",
+            code="model_not_found",
+        ) from None
+    except ModelBusy as e:
+        raise APIError(409, str(e), code="model_busy") from None
+    except ModelUnavailable as e:
+        raise APIError(
+            503,
+            str(e),
+            type="service_unavailable",
+            code="model_unavailable",
+            headers={"Retry-After": "5"} if e.retry else None,
+        ) from None
 
 
 def server_state(request: Request) -> ServerState:

@@ -117,7 +117,10 @@ class ChatCompletionsServing(Surface):
             # into a grammar takes what it takes, and must hold up nobody else.
             tools = await off_loop(plan_tools, req, engine)
             grammar = tools.grammar or await off_loop(response_format_grammar, req.response_format)
-            tokens = await off_loop(render, engine, req, tools, settings.strip_attribution_header)
+            tokens = await off_loop(
+                render, engine, req, tools, settings.strip_attribution_header,
+                settings.chat_template_kwargs,
+            )  # fmt: skip
             params = sampling_params(
                 req,
                 prompt_tokens=len(tokens),
@@ -349,13 +352,18 @@ def message_chars(m: ChatMessage) -> int:
 
 
 def render(
-    engine: Engine, req: ChatCompletionRequest, tools: ToolPlan, strip_attribution: bool = False
+    engine: Engine,
+    req: ChatCompletionRequest,
+    tools: ToolPlan,
+    strip_attribution: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The prompt's tokens: the messages (and tools) through the model's chat template."""
+    """The prompt's tokens: the messages (and tools) through the model's chat template,
+    with the model's configured template variables (`enable_thinking`, say)."""
     messages = [_message(m, i, tools.templated) for i, m in enumerate(req.messages)]
     if strip_attribution:
         messages = attribution.strip_attribution(messages)
-    kwargs: dict[str, Any] = {"add_generation_prompt": True}
+    kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": True}
     if tools.tools:
         kwargs["tools"] = tools.tools
     try:

@@ -269,6 +269,14 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mlx-cache-server"
+    # Beyond OpenAI's card, as local servers report it (LM Studio's `state`, say):
+    status: Literal["loaded", "loading", "unloaded"] = "loaded"
+    loaded: bool = True
+    context_length: int | None = None  # None: not known until it is loaded
+    aliases: list[str] = []  # other names requests may use for it
+    pinned: bool = False  # loaded at start and never unloaded
+    ttl: float | None = None  # idle seconds before it is unloaded
+    memory_bytes: int = 0  # what it counts against --memory-budget (estimated until loaded)
 
 
 class ModelList(BaseModel):
@@ -278,9 +286,10 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
-    model: str
-    running: int
+    model: str  # the default model
+    running: int  # over every loaded model
     waiting: int
+    models: dict[str, Literal["loaded", "loading", "unloaded"]] = {}
 
 
 class ErrorBody(BaseModel):

@@ -40,11 +40,19 @@ def load_warm_prompts(path: Path) -> list[str | dict[str, Any]]:
     return items
 
 
-def warm_tokens(engine: Engine, item: str | dict[str, Any], strip: bool = False) -> list[int]:
-    """The item's tokens; `strip`: as `--strip-attribution-header` renders requests."""
+def warm_tokens(
+    engine: Engine,
+    item: str | dict[str, Any],
+    strip: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The item's tokens; `strip`: as `--strip-attribution-header` renders requests;
+    `template_kwargs`: the model's template variables, as requests are rendered."""
     if isinstance(item, str):
         return list(engine.tokenizer.encode(item))
-    kwargs = {"tools": item["tools"]} if item.get("tools") else {}
+    kwargs = dict(template_kwargs or {})
+    if item.get("tools"):
+        kwargs["tools"] = item["tools"]
     messages = strip_attribution(item["messages"]) if strip else item["messages"]
     return list(
         engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
@@ -56,13 +64,14 @@ def warm(
     items: list[str | dict[str, Any]],
     namespaces: list[str | None],
     strip: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> int:
     """Prefill every prompt in every namespace, one at a time; the tokens prefilled."""
     t0, total = time.perf_counter(), 0
     namespaces = list(dict.fromkeys(namespaces))  # keys of one tenant warm it once
     for i, item in enumerate(items):
         try:
-            tokens = warm_tokens(engine, item, strip)
+            tokens = warm_tokens(engine, item, strip, template_kwargs)
         except Exception as e:  # a template that rejects it: the others still count
             log.warning("warm prompt %d not used: %s", i, e)
             continue

@@ -8,9 +8,8 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from ...serving.errors import APIError
 from ..auth import Admin
-from ..state import State
+from ..state import State, pool_errors
 
 router = APIRouter(tags=["cache"], dependencies=[Admin])
 
@@ -60,6 +59,8 @@ class DiskReport(BaseModel):
 
 
 class CacheReport(BaseModel):
+    model: str  # each model has a cache of its own: `?model=` picks which (default: the default)
+    loaded: bool = True  # an unloaded model's cache went with it (to the disk tier, if any)
     enabled: bool
     max_sequences: int | None = None
     max_bytes: int | None = None
@@ -79,10 +80,15 @@ def _split(key: Any) -> tuple[str, str | None]:
 
 
 @router.get("/v1/cache", response_model=CacheReport, summary="Prompt cache statistics")
-async def cache_stats(state: State) -> CacheReport:
-    cache = state.engine.cache
+async def cache_stats(state: State, model: str | None = None) -> CacheReport:
+    with pool_errors(state.models):
+        spec = state.models.spec(model) if model is not None else state.models.default
+        served = state.models.get(spec.id)
+    if served is None:
+        return CacheReport(model=spec.id, loaded=False, enabled=not state.settings.no_cache)
+    cache = served.engine.cache
     if cache is None:
-        return CacheReport(enabled=False)
+        return CacheReport(model=spec.id, enabled=False)
     models = []
     for key, s in cache.stats_by_model().items():
         model, namespace = _split(key)
@@ -111,10 +117,11 @@ async def cache_stats(state: State) -> CacheReport:
         d = cache.disk
         disk = DiskReport(folder=str(d.folder), max_bytes=d.max_bytes, **asdict(d.stats))
     return CacheReport(
+        model=spec.id,
         enabled=True,
         max_sequences=cache.max_sequences,
         max_bytes=cache.byte_budget,
-        kv_bits=state.engine.kv_bits,
+        kv_bits=served.engine.kv_bits,
         sequences=len(cache),
         bytes=cache.nbytes,
         models=models,
@@ -124,14 +131,20 @@ async def cache_stats(state: State) -> CacheReport:
 
 @router.delete("/v1/cache", response_model=Cleared, summary="Flush the prompt cache")
 async def cache_flush(state: State, model: str | None = None) -> Cleared:
-    engine = state.engine
-    cache = engine.cache
-    if cache is None:
-        return Cleared(cleared=0)
-    if model is not None and model not in state.model_aliases:
-        raise APIError(404, f"The model '{model}' is not served here.", param="model")
-    keys = cache.models()  # every tenant's namespace of the one served model
-    for key in keys:
-        cache.clear(key)
-    engine.release_memory()  # what the flush freed goes back now, not at the next idle pause
-    return Cleared(cleared=len(keys))
+    """Flush one model's cache (`?model=`), or every loaded model's."""
+    with pool_errors(state.models):
+        if model is None:
+            engines = [m.served.engine for m in state.models.loaded()]
+        else:
+            served = state.models.get(model)
+            engines = [served.engine] if served is not None else []
+    cleared = 0
+    for engine in engines:
+        if engine.cache is None:
+            continue
+        keys = engine.cache.models()  # every tenant's namespace of the model
+        for key in keys:
+            engine.cache.clear(key)
+        cleared += len(keys)
+        engine.release_memory()  # what the flush freed goes back now, not at the next pause
+    return Cleared(cleared=cleared)

@@ -27,4 +27,5 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 async def create_chat_completion(
     req: ChatCompletionRequest, request: Request, state: State, tenant: Tenant
 ):
-    return await state.chat.create(req, request, tenant)
+    async with state.model(req.model) as served:
+        return await served.chat.create(req, request, tenant)

@@ -16,4 +16,5 @@ router = APIRouter(tags=["completions"])
     "/v1/completions", response_model=Completion, responses=ERRORS, summary="Create a completion"
 )
 async def create_completion(req: CompletionRequest, request: Request, state: State, tenant: Tenant):
-    return await state.completions.create(req, request, tenant)
+    async with state.model(req.model) as served:
+        return await served.completions.create(req, request, tenant)

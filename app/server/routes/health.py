@@ -13,11 +13,13 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health", response_model=Health, summary="Is the server able to serve?")
 async def health(state: State):
-    engine = state.engine
+    loaded = [m.served.engine for m in state.models.loaded()]
+    alive = all(engine.alive for engine in loaded)
     body = Health(
-        status="ok" if engine.alive else "unavailable",
-        model=engine.model_id,
-        running=engine.running,
-        waiting=engine.waiting,
+        status="ok" if alive else "unavailable",
+        model=state.models.default.id,
+        running=sum(engine.running for engine in loaded),
+        waiting=sum(engine.waiting for engine in loaded),
+        models={s.spec.id: s.status for s in state.models.states()},
     )
-    return JSONResponse(body.model_dump(), status_code=200 if engine.alive else 503)
+    return JSONResponse(body.model_dump(), status_code=200 if alive else 503)

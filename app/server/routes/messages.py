@@ -4,18 +4,32 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ...models.pool import UnknownModel
 from ...serving.anthropic import CountTokensRequest, MessagesRequest
 from ..auth import Tenant
-from ..state import State
+from ..state import ServerState, State
 
 router = APIRouter(tags=["messages"])
 
 
 @router.post("/v1/messages", summary="Create a message (Anthropic's API)")
 async def create_message(req: MessagesRequest, request: Request, state: State, tenant: Tenant):
-    return await state.messages.create(req, request, tenant)
+    async with state.model(_model_for(state, req.model)) as served:
+        return await served.messages.create(req, request, tenant)
 
 
 @router.post("/v1/messages/count_tokens", summary="Count a message's input tokens")
 async def count_tokens(req: CountTokensRequest, state: State, tenant: Tenant):
-    return await state.messages.count_tokens(req)
+    async with state.model(_model_for(state, req.model)) as served:
+        return await served.messages.count_tokens(req)
+
+
+def _model_for(state: ServerState, name: str) -> str:
+    """Agents send Claude's model names: unless a model is configured under one, they mean
+    the default model."""
+    if name.startswith("claude"):
+        try:
+            state.models.spec(name)
+        except UnknownModel:
+            return "default"
+    return name

@@ -1,26 +1,93 @@
-"""GET /v1/models"""
+"""GET /v1/models, GET /v1/models/{id}; POST /v1/models/{id}/load and /unload (admin)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from fastapi import APIRouter, Depends
 
-from ...serving.errors import APIError
+from ...models.default_model import default_target
+from ...models.pool import ModelState
 from ...serving.schemas import ModelCard, ModelList
-from ..auth import authorize
-from ..state import State
+from ..auth import Admin, authorize
+from ..state import ServerState, State, pool_errors
 
 router = APIRouter(tags=["models"], dependencies=[Depends(authorize)])
+admin = APIRouter(tags=["models"], dependencies=[Admin])  # the admin key, not a tenant's
 
 
-@router.get("/v1/models", response_model=ModelList, summary="List the served model")
+@router.get("/v1/models", response_model=ModelList, summary="List the configured models")
 async def list_models(state: State) -> ModelList:
-    return ModelList(data=[ModelCard(id=state.engine.model_id, created=state.started)])
+    return ModelList(data=[_card(state, s) for s in state.models.states()])
+
+
+@admin.post(
+    "/v1/models/{model_id:path}/load",
+    response_model=ModelCard,
+    summary="Load a model now (admin)",
+)
+async def load_model(model_id: str, state: State) -> ModelCard:
+    with pool_errors(state.models):
+        spec = await state.models.load(model_id)
+    return _card_of(state, spec.id)
+
+
+@admin.post(
+    "/v1/models/{model_id:path}/unload",
+    response_model=ModelCard,
+    summary="Unload a model now (admin); refused while it has requests running",
+)
+async def unload_model(model_id: str, state: State) -> ModelCard:
+    with pool_errors(state.models):
+        spec = state.models.spec(model_id)
+        await state.models.unload(model_id)
+    return _card_of(state, spec.id)
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, summary="Describe a model")
 async def get_model(model_id: str, state: State) -> ModelCard:
-    if model_id not in state.model_aliases:
-        raise APIError(
-            404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found"
-        )
-    return ModelCard(id=state.engine.model_id, created=state.started)
+    with pool_errors(state.models):
+        spec = state.models.spec(model_id)
+    return _card_of(state, spec.id)
+
+
+def _card_of(state: ServerState, model_id: str) -> ModelCard:
+    return next(_card(state, s) for s in state.models.states() if s.spec.id == model_id)
+
+
+def _card(state: ServerState, s: ModelState) -> ModelCard:
+    served = state.models.get(s.spec.id) if s.status == "loaded" else None
+    context = served.engine.context_length if served is not None else _configured_context(state, s)
+    return ModelCard(
+        id=s.spec.id,
+        created=state.started,
+        status=s.status,
+        loaded=s.status == "loaded",
+        context_length=context,
+        aliases=sorted(state.models.names(s.spec) - {s.spec.id}),
+        pinned=s.spec.pinned,
+        ttl=s.spec.ttl,
+        memory_bytes=s.bytes,
+    )
+
+
+def _configured_context(state: ServerState, s: ModelState) -> int | None:
+    """An unloaded model's context: its setting, else its config.json's, if on disk."""
+    configured = s.spec.settings(state.settings).context_length
+    if configured is not None:
+        return configured
+    if s.spec.path is None:
+        folder = default_target()
+    elif Path(s.spec.path).expanduser().is_dir():
+        folder = Path(s.spec.path).expanduser()
+    else:
+        return None  # a hub id or a GGUF file: known once loaded
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "max_seq_len", "context_length"):
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return None

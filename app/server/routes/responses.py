@@ -13,4 +13,5 @@ router = APIRouter(tags=["responses"])
 
 @router.post("/v1/responses", summary="Create a response (OpenAI's Responses API)")
 async def create_response(req: ResponsesRequest, request: Request, state: State, tenant: Tenant):
-    return await state.responses.create(req, request, tenant)
+    async with state.model(req.model) as served:
+        return await served.responses.create(req, request, tenant)

@@ -1,0 +1,356 @@
+"""The configured models: which are loaded, loading them on first use, unloading them.
+
+`ModelPool` carries out `residency`'s policy on the event loop. Loading and
+unloading run on worker threads; the decisions run on the loop, so they need no
+locks of their own beyond `_changing`.
+
+Invariants:
+- a model is never unloaded while it is busy: a request holds it (`use`), waits
+  for it, or still runs on its engine (`Loader.requests`);
+- one load or unload runs at a time, so two loads never plan against the same
+  free memory;
+- with a budget, the loaded models' bytes stay within it: a model that cannot
+  fit even alone beside the pinned ones is refused, one that must wait for busy
+  models waits (bounded by `load_timeout`), and requests for a model that is
+  loading wait for it (bounded too) rather than fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+from .residency import Resident, expired, make_room
+from .specs import ModelSpec
+
+log = logging.getLogger("mlx_cache_server.models")
+
+S = TypeVar("S")
+POLL = 0.05  # seconds between looks at busy models while a load waits for their room
+
+
+class Loader(Protocol[S]):
+    """How a model becomes servable and goes away again; blocking calls, run off the loop."""
+
+    def open(self, spec: ModelSpec) -> S: ...
+    def close(self, served: S) -> None: ...
+    def estimate(self, spec: ModelSpec) -> int: ...  # bytes it will count, before loading
+    def measure(self, served: S) -> int: ...  # bytes it counts, once loaded
+    def requests(self, served: S) -> int: ...  # requests running or queued on it
+
+
+class UnknownModel(LookupError):
+    pass
+
+
+class ModelUnavailable(RuntimeError):
+    """The model cannot be served now; `retry`: whether waiting may help."""
+
+    def __init__(self, message: str, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+class ModelBusy(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Loaded(Generic[S]):
+    spec: ModelSpec
+    served: S
+    bytes: int
+    last_used: float
+    leases: int = 0  # requests between asking for the model and their slot in its engine
+
+
+@dataclass
+class ModelState:
+    """A configured model as /v1/models and /metrics show it."""
+
+    spec: ModelSpec
+    status: Literal["loaded", "loading", "unloaded"]
+    bytes: int  # counted against the budget: measured when loaded, else estimated
+    requests: int
+    loads: int
+    unloads: int
+    load_seconds: float | None  # the last load's
+
+
+class ModelPool(Generic[S]):
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        loader: Loader[S],
+        *,
+        budget: int | None = None,
+        load_timeout: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not specs:
+            raise ValueError("a server needs at least one model")
+        self.specs = list(specs)
+        self.loader, self.budget = loader, budget
+        self.load_timeout, self.clock = load_timeout, clock
+        self._names = {"default": specs[0]}
+        for spec in specs:
+            self._names.update(dict.fromkeys(spec.names(), spec))
+        self._loaded: dict[str, Loaded[S]] = {}
+        self._loading: dict[str, asyncio.Future] = {}
+        self._wanted: Counter[str] = Counter()  # requests waiting in `use` for a model
+        self._blocked: dict[str, list[str]] = {}  # a load waiting for busy models' room
+        self._changing = asyncio.Lock()
+        self.loads: Counter[str] = Counter()
+        self.unloads: Counter[str] = Counter()
+        self.load_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------ lookups
+
+    @property
+    def default(self) -> ModelSpec:
+        return self.specs[0]
+
+    def spec(self, name: str) -> ModelSpec:
+        spec = self._names.get(name)
+        if spec is None:
+            raise UnknownModel(name)
+        return spec
+
+    def names(self, spec: ModelSpec) -> set[str]:
+        return {n for n, s in self._names.items() if s is spec}
+
+    def loaded(self) -> list[Loaded[S]]:
+        return list(self._loaded.values())
+
+    def get(self, name: str) -> S | None:
+        """The model's served form if it is loaded, without loading it."""
+        loaded = self._loaded.get(self.spec(name).id)
+        return loaded.served if loaded is not None else None
+
+    def states(self) -> list[ModelState]:
+        out = []
+        for spec in self.specs:
+            loaded = self._loaded.get(spec.id)
+            if loaded is not None:
+                status, nbytes = "loaded", loaded.bytes
+                requests = self.loader.requests(loaded.served)
+            else:
+                status = "loading" if spec.id in self._loading else "unloaded"
+                nbytes, requests = self.loader.estimate(spec), 0
+            out.append(
+                ModelState(
+                    spec, status, nbytes, requests, self.loads[spec.id], self.unloads[spec.id],
+                    self.load_seconds.get(spec.id),
+                )
+            )  # fmt: skip
+        return out
+
+    # ------------------------------------------------------------ requests
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[S]:
+        """The model `name` names, loaded if need be, held loaded while the block runs."""
+        spec = self.spec(name)
+        self._wanted[spec.id] += 1
+        try:
+            loaded = await self._ready(spec)
+            loaded.leases += 1
+        finally:
+            self._wanted[spec.id] -= 1
+        try:
+            yield loaded.served
+        finally:
+            loaded.leases -= 1
+            loaded.last_used = self.clock()
+
+    async def load(self, name: str) -> ModelSpec:
+        spec = self.spec(name)
+        self._wanted[spec.id] += 1
+        try:
+            await self._ready(spec)
+        finally:
+            self._wanted[spec.id] -= 1
+        return spec
+
+    async def unload(self, name: str) -> bool:
+        """Unload the model now; False if it was not loaded. Refused while it is busy."""
+        spec = self.spec(name)
+        async with self._changing:
+            loaded = self._loaded.get(spec.id)
+            if loaded is None:
+                return False
+            if spec.pinned:
+                raise ModelBusy(f"The model '{spec.id}' is pinned: it stays loaded.")
+            if self._busy(loaded):
+                raise ModelBusy(
+                    f"The model '{spec.id}' has requests running; unload it once they end."
+                )
+            await self._unload(spec.id, "asked")
+        return True
+
+    async def sweep(self) -> list[str]:
+        """Unload the models idle for longer than their ttl; the ids unloaded."""
+        now = self.clock()
+        for loaded in self._loaded.values():
+            if self._busy(loaded):
+                loaded.last_used = now
+        if not expired(self._residents(), now):
+            return []
+        gone = []
+        async with self._changing:
+            for model_id in expired(self._residents(), self.clock()):  # as of now, locked
+                await self._unload(model_id, "idle")
+                gone.append(model_id)
+        return gone
+
+    async def sweep_forever(self, every: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.sweep()
+            except Exception:  # an unload that failed must not end the sweeping
+                log.exception("idle unload failed")
+
+    # ------------------------------------------------------- start and stop
+
+    def open_now(self, name: str) -> ModelSpec:
+        """Load a model before serving starts (no event loop yet, nothing else loading)."""
+        spec = self.spec(name)
+        if spec.id in self._loaded:
+            return spec
+        room = make_room(self._residents(), self.loader.estimate(spec), self.budget)
+        if not room.fits or room.unload:
+            raise ValueError(self._too_big(spec, self.loader.estimate(spec)))
+        t0 = time.perf_counter()
+        self._register(spec, self.loader.open(spec), time.perf_counter() - t0)
+        return spec
+
+    def adopt(self, spec: ModelSpec, served: S) -> None:
+        """Serve a model loaded elsewhere (a test's engine, say) as loaded."""
+        self._loaded[spec.id] = Loaded(spec, served, self.loader.measure(served), self.clock())
+
+    def close(self) -> None:
+        """Unload everything (at shutdown)."""
+        for model_id in list(self._loaded):
+            self.loader.close(self._loaded.pop(model_id).served)
+
+    # ------------------------------------------------------------ internals
+
+    def _busy(self, loaded: Loaded[S]) -> bool:
+        return (
+            loaded.leases > 0
+            or self._wanted[loaded.spec.id] > 0
+            or self.loader.requests(loaded.served) > 0
+        )
+
+    def _residents(self) -> list[Resident]:
+        return [
+            Resident(m.spec.id, m.bytes, m.last_used, self._busy(m), m.spec.pinned, m.spec.ttl)
+            for m in self._loaded.values()
+        ]
+
+    async def _ready(self, spec: ModelSpec) -> Loaded[S]:
+        deadline = time.monotonic() + self.load_timeout
+        while (loaded := self._loaded.get(spec.id)) is None:
+            task = self._loading.get(spec.id)
+            if task is None:
+                task = asyncio.ensure_future(self._load(spec))
+                self._loading[spec.id] = task
+                task.add_done_callback(lambda t, key=spec.id: self._loaded_or_failed(key, t))
+            try:
+                # Shielded: a client that leaves does not cancel a load others wait for.
+                await asyncio.wait_for(asyncio.shield(task), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                busy = self._blocked.get(spec.id)
+                why = (
+                    f": it waits for room that busy models hold ({', '.join(busy)})" if busy else ""
+                )
+                raise ModelUnavailable(
+                    f"The model '{spec.id}' did not load within {self.load_timeout:g}s{why}; "
+                    "retry shortly."
+                ) from None
+        return loaded
+
+    def _loaded_or_failed(self, model_id: str, task: asyncio.Future) -> None:
+        self._loading.pop(model_id, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: its waiters may all have timed out
+
+    async def _load(self, spec: ModelSpec) -> None:
+        async with self._changing:
+            if spec.id in self._loaded:
+                return
+            await self._make_room(spec, self.loader.estimate(spec))
+            log.info("loading model %s", spec.id)
+            t0 = time.perf_counter()
+            try:
+                served = await asyncio.to_thread(self.loader.open, spec)
+            except Exception as e:
+                log.exception("loading model %s failed", spec.id)
+                raise ModelUnavailable(
+                    f"The model '{spec.id}' could not be loaded: {e}", retry=False
+                ) from e
+            self._register(spec, served, time.perf_counter() - t0)
+
+    def _register(self, spec: ModelSpec, served: S, seconds: float) -> None:
+        loaded = Loaded(spec, served, self.loader.measure(served), self.clock())
+        self._loaded[spec.id] = loaded
+        self.loads[spec.id] += 1
+        self.load_seconds[spec.id] = seconds
+        log.info("model %s loaded in %.1fs (%d MiB counted)", spec.id, seconds, loaded.bytes >> 20)
+        total = sum(m.bytes for m in self._loaded.values())
+        if self.budget is not None and total > self.budget:
+            log.warning(
+                "loaded models count %d MiB, over the %d MiB budget: %s measured more than "
+                "its files", total >> 20, self.budget >> 20, spec.id,
+            )  # fmt: skip
+
+    async def _make_room(self, spec: ModelSpec, need: int) -> None:
+        try:
+            await self._wait_for_room(spec, need)
+        finally:
+            self._blocked.pop(spec.id, None)
+
+    async def _wait_for_room(self, spec: ModelSpec, need: int) -> None:
+        deadline = time.monotonic() + self.load_timeout
+        while True:
+            room = make_room(self._residents(), need, self.budget)
+            if not room.ever:
+                raise ModelUnavailable(self._too_big(spec, need), retry=False)
+            if room.fits:
+                for model_id in room.unload:
+                    await self._unload(model_id, f"room for {spec.id}")
+                return
+            busy = [r.id for r in self._residents() if r.busy]
+            if time.monotonic() >= deadline:
+                raise ModelUnavailable(
+                    f"The model '{spec.id}' needs room that busy models hold "
+                    f"({', '.join(busy)}); retry when they are idle."
+                )
+            self._blocked[spec.id] = busy
+            await asyncio.sleep(POLL)
+
+    async def _unload(self, model_id: str, reason: str) -> None:
+        loaded = self._loaded.pop(model_id)
+        self.unloads[model_id] += 1
+        log.info("unloading model %s (%s)", model_id, reason)
+        await asyncio.to_thread(self.loader.close, loaded.served)
+
+    def _too_big(self, spec: ModelSpec, need: int) -> str:
+        pinned = sum(m.bytes for m in self._loaded.values() if m.spec.pinned)
+        return (
+            f"The model '{spec.id}' needs {need >> 20} MiB, and the memory budget is "
+            f"{(self.budget or 0) >> 20} MiB with {pinned >> 20} MiB of it pinned: it cannot "
+            "fit. Raise --memory-budget or unpin a model."
+        )
+
+
+def describe(states: list[ModelState]) -> list[dict[str, Any]]:
+    """The states as log lines' fields."""
+    return [{"id": s.spec.id, "status": s.status, "MiB": s.bytes >> 20} for s in states]

@@ -1,0 +1,125 @@
+"""The models one server serves: `--model` flags and the settings file's `[[models]]` tables.
+
+A model is a `ModelSpec`: an id clients send, where its weights are, and the
+settings it overrides for itself. The first model is the default: it answers to
+`default`, takes the server-wide `--served-model-name`, `--model-alias` and
+sampling flags, and is loaded at start. Every model's settings are the server's
+with its own overrides on top (`ModelSpec.settings`), so one code path builds an
+engine for any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..settings import Settings, parse_size
+
+# What a [[models]] table may set for its model alone, and the setting it overrides.
+OVERRIDES = {
+    "context_length": "context_length",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "max_tokens": "default_max_tokens",
+    "cache_max_sequences": "cache_max_sequences",
+    "cache_max_bytes": "cache_max_bytes",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
+    "chat_template_kwargs": "chat_template_kwargs",
+}
+OWN = {"id", "path", "aliases", "pinned", "ttl", "working_memory"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str  # the name clients send (`model`), and the cache's key for it
+    path: str | None  # a folder, a Hugging Face id or a .gguf file; None: the embedded default
+    aliases: tuple[str, ...] = ()  # more names clients may send for it
+    pinned: bool = False  # loaded at start and never unloaded
+    ttl: float | None = None  # idle seconds before it is unloaded; None: only for room
+    working_memory: int | None = None  # bytes beyond weights and cache; None: the server's
+    overrides: dict[str, Any] = field(default_factory=dict, hash=False)  # Settings fields
+
+    def settings(self, base: Settings) -> Settings:
+        """The server's settings as this model runs with them."""
+        return replace(
+            base, served_model_name=self.id, model_aliases=list(self.aliases), **self.overrides
+        )
+
+    def names(self) -> set[str]:
+        """Every name a request may use for this model."""
+        names = {self.id, Path(self.id).name, *self.aliases}
+        return {n for n in names if n}
+
+
+def model_specs(settings: Settings, default_name: str) -> list[ModelSpec]:
+    """The configured models, the default first; a ValueError says what is wrong."""
+    specs = []
+    if settings.model is not None or not settings.models:
+        path = settings.model
+        specs.append(
+            ModelSpec(
+                id=settings.served_model_name or (model_id(path) if path else default_name),
+                path=path,
+                aliases=tuple(settings.model_aliases),
+                ttl=settings.model_ttl,
+            )
+        )
+    specs += [_from_table(t, i, settings) for i, t in enumerate(settings.models)]
+    seen: dict[str, str] = {}
+    for spec in specs:
+        for name in spec.names() | ({"default"} if spec is specs[0] else set()):
+            if name in seen and seen[name] != spec.id:
+                raise ValueError(
+                    f"the name {name!r} is given to two models ({seen[name]} and {spec.id}); "
+                    "give each model its own id and aliases"
+                )
+            seen[name] = spec.id
+    return specs
+
+
+def _from_table(table: Any, i: int, settings: Settings) -> ModelSpec:
+    where = f"[[models]] #{i + 1}"
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected a table with at least a path")
+    unknown = set(table) - OWN - set(OVERRIDES)
+    if unknown:
+        known = ", ".join(sorted(OWN | set(OVERRIDES)))
+        raise ValueError(f"{where}: unknown keys {', '.join(sorted(unknown))}; known: {known}")
+    path = table.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where}: 'path' (a folder, a hub id or a .gguf file) is required")
+    aliases = table.get("aliases", [])
+    if isinstance(aliases, str):
+        aliases = [aliases]
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise ValueError(f"{where}: 'aliases' must be a list of names")
+    ttl = table.get("ttl", settings.model_ttl)
+    if ttl is not None and not (isinstance(ttl, int | float) and ttl > 0):
+        raise ValueError(f"{where}: 'ttl' must be a positive number of seconds")
+    working = table.get("working_memory")
+    overrides = {OVERRIDES[k]: v for k, v in table.items() if k in OVERRIDES}
+    if "cache_max_bytes" in overrides:
+        overrides["cache_max_bytes"] = parse_size(overrides["cache_max_bytes"])
+    if not isinstance(overrides.get("chat_template_kwargs", {}), dict):
+        raise ValueError(f"{where}: 'chat_template_kwargs' must be a table")
+    return ModelSpec(
+        id=str(table.get("id") or model_id(path)),
+        path=path,
+        aliases=tuple(aliases),
+        pinned=bool(table.get("pinned", False)),
+        ttl=float(ttl) if ttl is not None else None,
+        working_memory=parse_size(working) if working is not None else None,
+        overrides=overrides,
+    )
+
+
+def model_id(path: str) -> str:
+    """The id of a model named by its path: a folder's or file's name, or the hub id."""
+    p = Path(path).expanduser()
+    if p.suffix == ".gguf":
+        return p.stem
+    return p.name if p.exists() else path

@@ -1,0 +1,197 @@
+"""A model as the server serves it (its engine and one serving class per API), and how one
+is loaded, measured and unloaded for `ModelPool`."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..engine import Engine
+from ..models.pool import ModelPool
+from ..models.specs import ModelSpec
+from ..runtime import memory
+from ..serving.anthropic import MessagesServing
+from ..serving.chat import ChatCompletionsServing
+from ..serving.completions import CompletionsServing
+from ..serving.defaults import SamplingDefaults, model_folder, sampling_defaults
+from ..serving.metrics import Metrics
+from ..serving.responses import ResponsesServing
+from ..settings import Settings, describe_size
+
+log = logging.getLogger("mlx_cache_server")
+
+
+@dataclass(eq=False)
+class ServedModel:
+    spec: ModelSpec
+    engine: Engine
+    settings: Settings  # the server's, with the model's own overrides
+    defaults: SamplingDefaults
+    chat: ChatCompletionsServing
+    completions: CompletionsServing
+    messages: MessagesServing
+    responses: ResponsesServing
+
+
+def serve_engine(
+    spec: ModelSpec, engine: Engine, settings: Settings, metrics: Metrics, names: set[str]
+) -> ServedModel:
+    """One serving class per API surface over the engine; `names`: what requests may send."""
+    defaults = sampling_defaults(settings, engine.generation_config)
+    chat = ChatCompletionsServing(engine, settings, metrics, names, defaults)
+    return ServedModel(
+        spec=spec,
+        engine=engine,
+        settings=settings,
+        defaults=defaults,
+        chat=chat,
+        completions=CompletionsServing(engine, settings, metrics, names, defaults),
+        messages=MessagesServing(chat),
+        responses=ResponsesServing(chat),
+    )
+
+
+class ModelLoader:
+    """`Loader` for real models: built by `build_engine`, counted as weights + cache + working
+    memory."""
+
+    def __init__(
+        self, settings: Settings, metrics: Metrics, names: Callable[[ModelSpec], set[str]]
+    ) -> None:
+        self.settings, self.metrics, self.names = settings, metrics, names
+
+    def settings_of(self, spec: ModelSpec) -> Settings:
+        settings = spec.settings(self.settings)
+        if settings.cache_max_bytes is None and settings.memory_budget is not None:
+            # An unbounded cache would make the budget meaningless.
+            settings = replace(settings, cache_max_bytes=settings.memory_budget // 4)
+        return settings
+
+    def open(self, spec: ModelSpec) -> ServedModel:
+        from .app import build_engine
+
+        settings = self.settings_of(spec)
+        path = str(model_path(spec, log.info))
+        engine = build_engine(settings, path)
+        served = serve_engine(spec, engine, settings, self.metrics, self.names(spec))
+        _describe(served, path)
+        engine.start()
+        return served
+
+    def close(self, served: ServedModel) -> None:
+        engine = served.engine
+        engine.stop()
+        if engine.cache is not None and engine.cache.disk is not None:
+            engine.cache.disk.close(served.settings.shutdown_grace)  # what is queued, written
+        del served, engine
+        gc.collect()  # the model's arrays go once nothing refers to them
+        memory.release_memory()
+
+    def estimate(self, spec: ModelSpec) -> int:
+        return weights_on_disk(spec) + self._beside_weights(self.settings_of(spec), spec)
+
+    def measure(self, served: ServedModel) -> int:
+        from mlx.utils import tree_flatten
+
+        weights = sum(v.nbytes for _, v in tree_flatten(served.engine.model.parameters()))
+        return weights + self._beside_weights(served.settings, served.spec)
+
+    def requests(self, served: ServedModel) -> int:
+        return served.engine.in_flight
+
+    def _beside_weights(self, settings: Settings, spec: ModelSpec) -> int:
+        cache = 0 if settings.no_cache else settings.cache_max_bytes or 0
+        working = spec.working_memory
+        return cache + (working if working is not None else settings.working_memory)
+
+
+def model_pool(
+    settings: Settings,
+    specs: list[ModelSpec],
+    metrics: Metrics,
+    clock: Callable[[], float] = time.monotonic,
+) -> ModelPool[ServedModel]:
+    """The pool of the configured models, loaded by `ModelLoader`, none loaded yet."""
+    loader = ModelLoader(settings, metrics, lambda spec: pool.names(spec))
+    pool = ModelPool(
+        specs,
+        loader,
+        budget=settings.memory_budget,
+        load_timeout=settings.model_load_timeout,
+        clock=clock,
+    )
+    return pool
+
+
+def model_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None) -> Path | str:
+    """Where the model's MLX weights are: a folder, or a hub id for mlx-lm to fetch."""
+    from ..models.default_model import default_model_dir, gguf_model_dir
+
+    if spec.path is None:
+        return default_model_dir(progress)
+    if spec.path.endswith(".gguf"):
+        return gguf_model_dir(Path(spec.path), progress)
+    local = Path(spec.path).expanduser()
+    return local if local.exists() else spec.path
+
+
+def weights_on_disk(spec: ModelSpec) -> int:
+    """The bytes of the model's weight files, before it is loaded (0 when not known).
+
+    A GGUF file not imported yet counts its own size (its quantized weights may grow
+    on import: the pool corrects the count once the model is loaded).
+    """
+    from ..models.default_model import default_target, gguf_target
+
+    try:
+        if spec.path is None:
+            folder: Path | None = default_target()
+        elif spec.path.endswith(".gguf"):
+            folder = gguf_target(Path(spec.path))
+            if not folder.exists():
+                return Path(spec.path).expanduser().stat().st_size
+        else:
+            folder = model_folder(str(Path(spec.path).expanduser()))
+        if folder is None:
+            return 0
+        return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    except OSError:
+        return 0
+
+
+def _describe(served: ServedModel, path: str) -> None:
+    """The startup log's lines about one model: what it runs on, samples with and caches."""
+    import mlx.core as mx
+
+    from .app import weights_dtype
+
+    engine, settings = served.engine, served.settings
+    log.info(
+        "model %s (%s, %s weights) on %s; context %d tokens",
+        engine.model_id, path, weights_dtype(engine.model), mx.default_device(),
+        engine.context_length,
+    )  # fmt: skip
+    log.info("%s: sampling defaults: %s", engine.model_id, served.defaults.describe())
+    if engine.cache is None:
+        log.info("%s: prompt cache: off (--no-cache)", engine.model_id)
+        return
+    log.info(
+        "%s: prompt cache: at most %d sequences, %s, %s",
+        engine.model_id,
+        settings.cache_max_sequences,
+        describe_size(settings.cache_max_bytes),
+        "full-precision KV"
+        if settings.kv_bits is None
+        else f"{settings.kv_bits}-bit KV in groups of {settings.kv_group_size}",
+    )
+    disk = engine.cache.disk
+    if disk is not None:
+        log.info(
+            "%s: disk tier: %s, %s of %s (%d files restored)",
+            engine.model_id, disk.folder, describe_size(disk.nbytes),
+            describe_size(disk.max_bytes), disk.stats.files,
+        )  # fmt: skip

@@ -1,0 +1,224 @@
+"""`ModelPool` with a fake loader: loads once on use, waits rather than unloading a busy
+model, refuses what cannot fit, and unloads after the ttl on its clock."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from app.models.pool import ModelBusy, ModelPool, ModelUnavailable, UnknownModel
+from app.models.specs import ModelSpec
+
+
+@dataclass(eq=False)
+class Fake:
+    spec: ModelSpec
+    requests: int = 0
+
+
+@dataclass
+class FakeLoader:
+    sizes: dict[str, int]
+    opened: list[str] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+    gate: threading.Event = field(default_factory=threading.Event)  # held: loads block
+    fail: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def open(self, spec: ModelSpec) -> Fake:
+        self.gate.wait(10)
+        if spec.id in self.fail:
+            raise OSError(f"no weights for {spec.id}")
+        self.opened.append(spec.id)
+        return Fake(spec)
+
+    def close(self, served: Fake) -> None:
+        self.closed.append(served.spec.id)
+
+    def estimate(self, spec: ModelSpec) -> int:
+        return self.sizes[spec.id]
+
+    def measure(self, served: Fake) -> int:
+        return self.sizes[served.spec.id]
+
+    def requests(self, served: Fake) -> int:
+        return served.requests
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+SPECS = [
+    ModelSpec("a", "/a", aliases=("alpha",)),
+    ModelSpec("b", "/b", ttl=60),
+    ModelSpec("p", "/p", pinned=True),
+]
+
+
+def pool(budget=None, **kw) -> tuple[ModelPool, FakeLoader]:
+    loader = FakeLoader({"a": 40, "b": 40, "p": 30, **kw.pop("sizes", {})})
+    return ModelPool(SPECS, loader, budget=budget, **kw), loader
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_names_resolve_to_their_model_and_unknown_names_are_refused():
+    p, _ = pool()
+    assert p.spec("alpha").id == "a" and p.spec("default").id == "a" and p.spec("b").id == "b"
+    with pytest.raises(UnknownModel):
+        p.spec("gpt-5")
+
+
+def test_concurrent_requests_for_an_unloaded_model_load_it_once():
+    p, loader = pool()
+    loader.gate.clear()
+
+    async def main():
+        async def ask():
+            async with p.use("b") as served:
+                return served
+
+        tasks = [asyncio.ensure_future(ask()) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        assert [s.status for s in p.states() if s.spec.id == "b"] == ["loading"]
+        loader.gate.set()
+        return await asyncio.gather(*tasks)
+
+    served = run(main())
+    assert loader.opened == ["b"] and len({id(s) for s in served}) == 1
+
+
+def test_room_is_made_by_unloading_the_least_recently_used_idle_model():
+    clock = Clock()
+    p, loader = pool(budget=100, clock=clock)
+
+    async def main():
+        for name in ("a", "b"):
+            async with p.use(name):
+                clock.now += 1
+        async with p.use("p"):  # 30 more: a (used first) goes
+            pass
+
+    run(main())
+    assert loader.closed == ["a"] and {m.spec.id for m in p.loaded()} == {"b", "p"}
+
+
+def test_a_busy_model_is_never_unloaded_the_load_waits_for_it():
+    p, loader = pool(budget=50)
+
+    async def main():
+        order = []
+        async with p.use("a") as a:
+            a.requests = 1  # a stream still running on its engine after the lease
+
+        async def finish_a_later():
+            await asyncio.sleep(0.3)
+            order.append("a done")
+            a.requests = 0
+
+        async def want_b():
+            async with p.use("b"):
+                order.append("b served")
+
+        await asyncio.gather(finish_a_later(), want_b())
+        return order
+
+    assert run(main()) == ["a done", "b served"]
+    assert loader.closed == ["a"]
+
+
+def test_waiting_for_room_is_bounded():
+    p, loader = pool(budget=50, load_timeout=0.3)
+
+    async def main():
+        async with p.use("a") as a:
+            with pytest.raises(ModelUnavailable) as e:
+                async with p.use("b"):
+                    pass
+            assert e.value.retry and "busy" in str(e.value)
+            assert a is p.get("a")
+
+    run(main())
+    assert loader.closed == []
+
+
+def test_a_model_larger_than_the_budget_beside_the_pinned_ones_is_refused_at_once():
+    p, _ = pool(budget=60)
+    p.open_now("p")
+
+    async def main():
+        with pytest.raises(ModelUnavailable) as e:
+            async with p.use("a"):
+                pass
+        assert not e.value.retry and "cannot fit" in str(e.value)
+
+    run(main())
+
+
+def test_a_failed_load_fails_its_requests_and_the_next_request_tries_again():
+    p, loader = pool()
+    loader.fail.add("b")
+
+    async def main():
+        with pytest.raises(ModelUnavailable) as e:
+            async with p.use("b"):
+                pass
+        assert "no weights" in str(e.value)
+        loader.fail.clear()
+        async with p.use("b") as served:
+            return served
+
+    assert run(main()).spec.id == "b"
+
+
+def test_unload_is_refused_while_busy_and_for_pinned_models():
+    p, loader = pool()
+    p.open_now("a")
+    p.open_now("p")
+
+    async def main():
+        p.get("a").requests = 1
+        with pytest.raises(ModelBusy):
+            await p.unload("a")
+        with pytest.raises(ModelBusy):
+            await p.unload("p")
+        p.get("a").requests = 0
+        assert await p.unload("a") is True
+        assert await p.unload("a") is False
+
+    run(main())
+    assert loader.closed == ["a"]
+
+
+def test_ttl_unloads_an_idle_model_on_the_pools_clock_and_a_busy_one_stays():
+    clock = Clock()
+    p, loader = pool(clock=clock)
+
+    async def main():
+        async with p.use("b"):
+            pass
+        clock.now += 59
+        assert await p.sweep() == []
+        p.get("b").requests = 1  # busy at the sweep: its idle time starts afresh
+        clock.now += 30
+        assert await p.sweep() == []
+        p.get("b").requests = 0
+        clock.now += 59
+        assert await p.sweep() == []
+        clock.now += 2
+        assert await p.sweep() == ["b"]
+
+    run(main())
+    assert loader.closed == ["b"]

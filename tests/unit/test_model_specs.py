@@ -1,0 +1,84 @@
+"""The models configuration: [[models]] tables and --model flags, checked at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.models.specs import ModelSpec, model_specs
+from app.settings import Settings, load_settings
+
+CONFIG = """
+model_ttl = 600
+memory_budget = "2GiB"
+
+[[models]]
+id = "chat"
+path = "/models/qwen"
+aliases = ["gpt-4o"]
+pinned = true
+temperature = 0.6
+max_tokens = 512
+chat_template_kwargs = { enable_thinking = false }
+
+[[models]]
+path = "/models/small.gguf"
+ttl = 30
+cache_max_bytes = "64MiB"
+working_memory = "128MiB"
+"""
+
+
+def test_a_settings_file_lists_models_with_their_own_settings(tmp_path: Path):
+    config = tmp_path / "models.toml"
+    config.write_text(CONFIG)
+    settings = load_settings(config, {})
+    assert settings.memory_budget == 2 * 1024**3
+    chat, small = model_specs(settings, "default-model")
+    assert chat == ModelSpec(
+        "chat", "/models/qwen", ("gpt-4o",), pinned=True, ttl=600.0,
+        overrides={"temperature": 0.6, "default_max_tokens": 512,
+                   "chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert small.id == "small" and small.ttl == 30 and small.working_memory == 128 * 1024**2
+    # Each model runs with the server's settings under its own.
+    own = chat.settings(settings)
+    assert own.temperature == 0.6 and own.default_max_tokens == 512
+    assert own.served_model_name == "chat" and own.model_aliases == ["gpt-4o"]
+    assert own.chat_template_kwargs == {"enable_thinking": False}
+    assert small.settings(settings).cache_max_bytes == 64 * 1024**2
+    assert small.settings(settings).temperature is None
+
+
+def test_the_flags_model_comes_first_and_answers_to_default():
+    settings = Settings(model="/m/first", served_model_name="first", models=[{"path": "/m/x"}])
+    first, second = model_specs(settings, "embedded")
+    assert (first.id, second.id) == ("first", "/m/x")
+    assert model_specs(Settings(), "embedded")[0] == ModelSpec("embedded", None)
+
+
+@pytest.mark.parametrize(
+    "tables, message",
+    [
+        ([{"id": "x"}], "'path'"),
+        ([{"path": "/a", "tempreature": 1}], "unknown keys tempreature"),
+        ([{"path": "/a", "ttl": -1}], "'ttl'"),
+        ([{"path": "/a", "aliases": [1]}], "'aliases'"),
+        ([{"path": "/a", "id": "m"}, {"path": "/b", "aliases": ["m"]}], "two models"),
+        ([{"path": "/a", "id": "default-model"}], "two models"),
+    ],
+)
+def test_mistakes_in_the_models_are_named_at_start(tables, message):
+    with pytest.raises(ValueError, match=message):
+        model_specs(Settings(model="/default-model", models=tables), "embedded")
+
+
+def test_the_example_settings_files_load():
+    root = Path(__file__).parents[2] / "configs"
+    for name in ("server.example.toml", "models.example.toml"):
+        settings = load_settings(root / name, {})
+        assert model_specs(settings, "embedded")
+    chat, fast, autocomplete = model_specs(load_settings(root / "models.example.toml", {}), "x")
+    assert chat.pinned and fast.overrides["chat_template_kwargs"] == {"enable_thinking": False}
+    assert autocomplete.path.endswith(".gguf") and autocomplete.id == "autocomplete"
