@@ -12,6 +12,11 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from signal import SIGINT, SIGTERM
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .server.loader import ServedModel
+    from .settings import Settings
 
 log = logging.getLogger("mlx_cache_server")
 
@@ -177,11 +182,10 @@ def serve(args: argparse.Namespace) -> int:
     from .runtime.blas import describe as describe_blas
     from .runtime.memory import limit_buffer_pool, unmap_large_blocks
     from .server.app import create_app
-    from .server.auth import tenant_of
     from .server.connections import uvicorn_config
     from .server.loader import model_pool
     from .serving.metrics import Metrics
-    from .serving.warm import load_warm_prompts, warm
+    from .serving.warm import load_warm_prompts
     from .settings import load_settings
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -236,14 +240,8 @@ def serve(args: argparse.Namespace) -> int:
     if settings.memory_budget is not None:
         log.info("memory budget for the models: %d MiB", settings.memory_budget >> 20)
     app = create_app(pool, settings=settings, metrics=metrics)
-    first = pool.get(specs[0].id)
-    if warm_items and first is not None:  # behind the server's start: requests queue with them
-        namespaces = [tenant_of(k) for k in settings.api_keys] or [None]
-        warming = (
-            first.engine, warm_items, namespaces, settings.strip_attribution_header,
-            first.settings.chat_template_kwargs,
-        )  # fmt: skip
-        threading.Thread(target=warm, args=warming, daemon=True).start()
+    if warm_items:  # behind the server's start: requests queue with them
+        _start_warming(pool.get(specs[0].id), warm_items, settings)
 
     def stop_engines() -> None:
         for loaded in pool.loaded():
@@ -264,6 +262,20 @@ def serve(args: argparse.Namespace) -> int:
     # C++ statics are destroyed (seen with mlx 0.32 on Linux), turning a clean stop
     # into a crash status.
     os._exit(0)
+
+
+def _start_warming(first: ServedModel, items: list, settings: Settings) -> None:
+    """Warm the first model's cache on a thread of its own. A function, so that no frame of
+    `serve` keeps the model alive after it is unloaded (the thread lets go when done)."""
+    from .server.auth import tenant_of
+    from .serving.warm import warm
+
+    namespaces = [tenant_of(k) for k in settings.api_keys] or [None]
+    warming = (
+        first.engine, items, namespaces, settings.strip_attribution_header,
+        first.settings.chat_template_kwargs,
+    )  # fmt: skip
+    threading.Thread(target=warm, args=warming, daemon=True).start()
 
 
 def _graceful_server_class() -> type:

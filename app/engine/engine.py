@@ -87,7 +87,7 @@ class Engine:
             "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
         }
         self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
-        self._inbox: queue.Queue[Request] = queue.Queue()
+        self._inbox: queue.Queue[Request | None] = queue.Queue()  # None: wake up, see `stop`
         self._stopping = threading.Event()
         self._release_asked = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,6 +109,7 @@ class Engine:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running or queued fail ("shutting down")."""
         self._stopping.set()
+        self._inbox.put(None)  # an idle thread waiting for requests sees the stop at once
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -242,11 +243,11 @@ class Engine:
         return Solo(self, self.kv_group_size, self.kv_bits)
 
     def _take(self, block: bool) -> list[Request]:
-        taken = []
+        taken: list[Request | None] = []
         try:
             if block:
                 taken.append(self._inbox.get(timeout=0.1))
             while True:
                 taken.append(self._inbox.get_nowait())
         except queue.Empty:
-            return taken
+            return [request for request in taken if request is not None]

@@ -39,7 +39,8 @@ class Loader(Protocol[S]):
     """How a model becomes servable and goes away again; blocking calls, run off the loop."""
 
     def open(self, spec: ModelSpec) -> S: ...
-    def close(self, served: S) -> None: ...
+    def close(self, served: S) -> None: ...  # stop serving it
+    def reclaim(self) -> None: ...  # free what closed models held, once none is referenced
     def estimate(self, spec: ModelSpec) -> int: ...  # bytes it will count, before loading
     def measure(self, served: S) -> int: ...  # bytes it counts, once loaded
     def requests(self, served: S) -> int: ...  # requests running or queued on it
@@ -239,6 +240,7 @@ class ModelPool(Generic[S]):
         """Unload everything (at shutdown)."""
         for model_id in list(self._loaded):
             self.loader.close(self._loaded.pop(model_id).served)
+        self.loader.reclaim()
 
     # ------------------------------------------------------------ internals
 
@@ -337,10 +339,14 @@ class ModelPool(Generic[S]):
             await asyncio.sleep(POLL)
 
     async def _unload(self, model_id: str, reason: str) -> None:
-        loaded = self._loaded.pop(model_id)
+        served = self._loaded.pop(model_id).served
         self.unloads[model_id] += 1
         log.info("unloading model %s (%s)", model_id, reason)
-        await asyncio.to_thread(self.loader.close, loaded.served)
+        await asyncio.to_thread(self.loader.close, served)
+        # Its arrays sit in reference cycles (engine, batch, serving classes): only a
+        # collection frees them, and only once this frame lets go of them.
+        del served
+        await asyncio.to_thread(self.loader.reclaim)
 
     def _too_big(self, spec: ModelSpec, need: int) -> str:
         pinned = sum(m.bytes for m in self._loaded.values() if m.spec.pinned)

@@ -87,9 +87,10 @@ class ModelLoader:
         engine.stop()
         if engine.cache is not None and engine.cache.disk is not None:
             engine.cache.disk.close(served.settings.shutdown_grace)  # what is queued, written
-        del served, engine
-        gc.collect()  # the model's arrays go once nothing refers to them
-        memory.release_memory()
+
+    def reclaim(self) -> None:
+        gc.collect()  # a model's arrays are in reference cycles: collected, they are freed
+        memory.release_memory()  # and MLX's pool and the heap give their pages back
 
     def estimate(self, spec: ModelSpec) -> int:
         return weights_on_disk(spec) + self._beside_weights(self.settings_of(spec), spec)

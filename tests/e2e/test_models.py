@@ -298,3 +298,15 @@ def test_a_gguf_file_in_the_models_is_imported_once_and_served(tmp_path, monkeyp
             if run == 0:
                 first = stamp
     assert stamp == first  # imported once: the folder was not written again
+
+
+def test_an_unloaded_models_arrays_are_freed(tiny_model_dir, second_model_dir):
+    import weakref
+
+    with serving_models(specs(tiny_model_dir, second_model_dir), admin_key="adm") as live:
+        conversation(client(live.url), "b", QUESTIONS[0])
+        weights = weakref.ref(live.pool.get("b").engine.model.parameters()["lm_head"]["weight"])
+        assert weights() is not None
+        r = httpx.post(live.url + "/v1/models/b/unload", headers={"Authorization": "Bearer adm"})
+        assert r.status_code == 200
+        assert weights() is None  # freed by the unload itself, not by some later collection

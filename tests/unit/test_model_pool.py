@@ -40,6 +40,9 @@ class FakeLoader:
     def close(self, served: Fake) -> None:
         self.closed.append(served.spec.id)
 
+    def reclaim(self) -> None:
+        pass
+
     def estimate(self, spec: ModelSpec) -> int:
         return self.sizes[spec.id]
 
