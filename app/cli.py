@@ -245,7 +245,8 @@ def serve(args: argparse.Namespace) -> int:
 
     def stop_engines() -> None:
         for loaded in pool.loaded():
-            loaded.served.engine.stop()
+            if loaded.served.engine is not None:
+                loaded.served.engine.stop()
 
     try:
         # On SIGTERM uvicorn stops accepting, gives running requests the grace period,

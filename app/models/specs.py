@@ -30,7 +30,8 @@ OVERRIDES = {
     "kv_group_size": "kv_group_size",
     "chat_template_kwargs": "chat_template_kwargs",
 }
-OWN = {"id", "path", "aliases", "pinned", "ttl", "working_memory"}
+OWN = {"id", "path", "aliases", "pinned", "ttl", "working_memory", "embedding", "pooling",
+       "normalize"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class ModelSpec:
     pinned: bool = False  # loaded at start and never unloaded
     ttl: float | None = None  # idle seconds before it is unloaded; None: only for room
     working_memory: int | None = None  # bytes beyond weights and cache; None: the server's
+    # An embedding model (/v1/embeddings): configured so, or found so from its
+    # sentence-transformers files (app/models/embedding.py).
+    embedding: bool = False
+    pooling: str | None = None  # "last", "mean" or "cls"; None: its files', else "last"
+    normalize: bool = True
     overrides: dict[str, Any] = field(default_factory=dict, hash=False)  # Settings fields
 
     def settings(self, base: Settings) -> Settings:
@@ -101,6 +107,9 @@ def _from_table(table: Any, i: int, settings: Settings) -> ModelSpec:
     if ttl is not None and not (isinstance(ttl, int | float) and ttl > 0):
         raise ValueError(f"{where}: 'ttl' must be a positive number of seconds")
     working = table.get("working_memory")
+    pooling = table.get("pooling")
+    if pooling is not None and pooling not in ("last", "mean", "cls"):
+        raise ValueError(f"{where}: 'pooling' is one of last, mean, cls")
     overrides = {OVERRIDES[k]: v for k, v in table.items() if k in OVERRIDES}
     if "cache_max_bytes" in overrides:
         overrides["cache_max_bytes"] = parse_size(overrides["cache_max_bytes"])
@@ -113,6 +122,9 @@ def _from_table(table: Any, i: int, settings: Settings) -> ModelSpec:
         pinned=bool(table.get("pinned", False)),
         ttl=float(ttl) if ttl is not None else None,
         working_memory=parse_size(working) if working is not None else None,
+        embedding=bool(table.get("embedding", False)) or pooling is not None,
+        pooling=pooling,
+        normalize=bool(table.get("normalize", True)),
         overrides=overrides,
     )
 

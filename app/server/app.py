@@ -63,8 +63,8 @@ def create_app(
     )
     errors.install(app)
     for module in (
-        routes.chat, routes.completions, routes.messages, routes.responses, routes.models,
-        routes.health, routes.cache, routes.metrics,
+        routes.chat, routes.completions, routes.messages, routes.responses, routes.embeddings,
+        routes.models, routes.health, routes.cache, routes.metrics,
     ):  # fmt: skip
         app.include_router(module.router)
     app.include_router(routes.models.admin)
@@ -94,8 +94,11 @@ _ERROR_CODES = {
     "429": "Too many requests waiting; retry after the Retry-After header",
     "403": "Admin routes are off: the server has API keys and no admin key",
     "431": "Request headers too large, or too many",
+    "409": "The model has requests running, or is pinned",
+    "503": "The model could not be loaded in time, or cannot fit the memory budget",
 }
 _GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
+_EMBEDDINGS = "/v1/embeddings"
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -114,13 +117,18 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 responses["503"] = {"description": "The engine is not running"}
                 continue
             codes = ["400", "401", "413", "431"]
-            if path in ("/v1/cache", "/metrics"):
+            admin = path.endswith(("/load", "/unload"))
+            if path in ("/v1/cache", "/metrics") or admin:
                 codes.append("403")
             if path in _GENERATION:
-                codes += ["404", "408", "429"]
+                codes += ["404", "408", "429", "503"]
                 responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            elif path == _EMBEDDINGS:
+                codes += ["404", "429", "503"]
             elif "{" in path or path in ("/v1/cache", "/v1/messages/count_tokens"):
                 codes.append("404")
+            if admin:
+                codes += ["409", "503"]
             for code in codes:
                 responses[code] = {"description": _ERROR_CODES[code], "content": error}
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -188,7 +196,7 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         cpu_activations.install(model)
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
-    context = settings.context_length or _context_length(model)
+    context = settings.context_length or context_length_of(model)
     model_id = settings.served_model_name or model_id_of(model_path)
     if settings.kv_bits is not None:
         check_quantized(model, settings.kv_group_size, settings.kv_bits)
@@ -228,7 +236,7 @@ def weights_dtype(model) -> str:
     return "/".join(sorted(kinds))
 
 
-def _context_length(model) -> int:
+def context_length_of(model: Any) -> int:
     args = getattr(model, "args", None)
     for name in ("max_position_embeddings", "max_seq_len", "context_length"):
         value = getattr(args, name, None)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..engine import Engine
+from ..models.embedding import Embedder, Pooling, sentence_transformers_pooling
 from ..models.pool import ModelPool
 from ..models.specs import ModelSpec
 from ..runtime import memory
@@ -18,6 +19,7 @@ from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
 from ..serving.completions import CompletionsServing
 from ..serving.defaults import SamplingDefaults, model_folder, sampling_defaults
+from ..serving.embeddings import EmbeddingsServing
 from ..serving.metrics import Metrics
 from ..serving.responses import ResponsesServing
 from ..settings import Settings, describe_size
@@ -27,14 +29,18 @@ log = logging.getLogger("mlx_cache_server")
 
 @dataclass(eq=False)
 class ServedModel:
+    """A loaded model: a generating model's engine and serving classes, or an embedding
+    model's (`ServerState.model` hands each request the kind its API needs)."""
+
     spec: ModelSpec
-    engine: Engine
     settings: Settings  # the server's, with the model's own overrides
-    defaults: SamplingDefaults
-    chat: ChatCompletionsServing
-    completions: CompletionsServing
-    messages: MessagesServing
-    responses: ResponsesServing
+    engine: Engine | None = None
+    defaults: SamplingDefaults | None = None
+    chat: ChatCompletionsServing | None = None
+    completions: CompletionsServing | None = None
+    messages: MessagesServing | None = None
+    responses: ResponsesServing | None = None
+    embeddings: EmbeddingsServing | None = None
 
 
 def serve_engine(
@@ -63,6 +69,7 @@ class ModelLoader:
         self, settings: Settings, metrics: Metrics, names: Callable[[ModelSpec], set[str]]
     ) -> None:
         self.settings, self.metrics, self.names = settings, metrics, names
+        self._kinds: dict[str, str] = {}
 
     def settings_of(self, spec: ModelSpec) -> Settings:
         settings = spec.settings(self.settings)
@@ -71,11 +78,21 @@ class ModelLoader:
             settings = replace(settings, cache_max_bytes=settings.memory_budget // 4)
         return settings
 
+    def kind(self, spec: ModelSpec) -> str:
+        """What the model serves, known before loading it: "embedding" (configured so, or
+        found so from its files) or "chat"."""
+        if spec.id not in self._kinds:  # read once: every request asks
+            self._kinds[spec.id] = "embedding" if self._pooling(spec) is not None else "chat"
+        return self._kinds[spec.id]
+
     def open(self, spec: ModelSpec) -> ServedModel:
         from .app import build_engine
 
         settings = self.settings_of(spec)
         path = str(model_path(spec, log.info))
+        pooling = self._pooling(spec)
+        if pooling is not None:
+            return self._open_embedder(spec, settings, path, pooling)
         engine = build_engine(settings, path)
         served = serve_engine(spec, engine, settings, self.metrics, self.names(spec))
         _describe(served, path)
@@ -83,7 +100,11 @@ class ModelLoader:
         return served
 
     def close(self, served: ServedModel) -> None:
+        if served.embeddings is not None:
+            served.embeddings.close()  # its requests' thread, idle (it has none running)
         engine = served.engine
+        if engine is None:
+            return
         engine.stop()
         if engine.cache is not None and engine.cache.disk is not None:
             engine.cache.disk.close(served.settings.shutdown_grace)  # what is queued, written
@@ -93,19 +114,49 @@ class ModelLoader:
         memory.release_memory()  # and MLX's pool and the heap give their pages back
 
     def estimate(self, spec: ModelSpec) -> int:
-        return weights_on_disk(spec) + self._beside_weights(self.settings_of(spec), spec)
+        embedding = self.kind(spec) == "embedding"
+        return weights_on_disk(spec) + self._beside_weights(self.settings_of(spec), spec, embedding)
 
     def measure(self, served: ServedModel) -> int:
         from mlx.utils import tree_flatten
 
-        weights = sum(v.nbytes for _, v in tree_flatten(served.engine.model.parameters()))
-        return weights + self._beside_weights(served.settings, served.spec)
+        model = served.engine.model if served.engine else served.embeddings.embedder.model
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        return weights + self._beside_weights(served.settings, served.spec, served.engine is None)
 
     def requests(self, served: ServedModel) -> int:
+        if served.engine is None:
+            return served.embeddings.embedder.in_flight
         return served.engine.in_flight
 
-    def _beside_weights(self, settings: Settings, spec: ModelSpec) -> int:
-        cache = 0 if settings.no_cache else settings.cache_max_bytes or 0
+    def _pooling(self, spec: ModelSpec) -> Pooling | None:
+        folder = _local_folder(spec)
+        found = sentence_transformers_pooling(folder) if folder is not None else None
+        if not spec.embedding and spec.pooling is None:
+            return found
+        mode = spec.pooling or (found.mode if found is not None else "last")
+        return Pooling(mode, spec.normalize)  # type: ignore[arg-type]
+
+    def _open_embedder(
+        self, spec: ModelSpec, settings: Settings, path: str, pooling: Pooling
+    ) -> ServedModel:
+        from mlx_lm import load
+
+        from .app import context_length_of
+
+        model, tokenizer = load(path)
+        context = settings.context_length or context_length_of(model)
+        embedder = Embedder(model, tokenizer, pooling, context)
+        log.info(
+            "model %s (%s): embeddings of %d values, %s pooling%s; context %d tokens",
+            spec.id, path, embedder.width, pooling.mode,
+            ", normalized" if pooling.normalize else "", context,
+        )  # fmt: skip
+        embeddings = EmbeddingsServing(embedder, settings, self.metrics)
+        return ServedModel(spec=spec, settings=settings, embeddings=embeddings)
+
+    def _beside_weights(self, settings: Settings, spec: ModelSpec, embedding: bool = False) -> int:
+        cache = 0 if settings.no_cache or embedding else settings.cache_max_bytes or 0
         working = spec.working_memory
         return cache + (working if working is not None else settings.working_memory)
 
@@ -140,26 +191,33 @@ def model_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None
     return local if local.exists() else spec.path
 
 
+def _local_folder(spec: ModelSpec) -> Path | None:
+    """The model's folder if it is on disk already (a GGUF file's once imported)."""
+    from ..models.default_model import default_target, gguf_target
+
+    try:
+        if spec.path is None:
+            return default_target()
+        if spec.path.endswith(".gguf"):
+            return gguf_target(Path(spec.path))
+    except OSError:
+        return None
+    return model_folder(str(Path(spec.path).expanduser()))
+
+
 def weights_on_disk(spec: ModelSpec) -> int:
     """The bytes of the model's weight files, before it is loaded (0 when not known).
 
     A GGUF file not imported yet counts its own size (its quantized weights may grow
     on import: the pool corrects the count once the model is loaded).
     """
-    from ..models.default_model import default_target, gguf_target
-
+    folder = _local_folder(spec)
     try:
-        if spec.path is None:
-            folder: Path | None = default_target()
-        elif spec.path.endswith(".gguf"):
-            folder = gguf_target(Path(spec.path))
-            if not folder.exists():
-                return Path(spec.path).expanduser().stat().st_size
-        else:
-            folder = model_folder(str(Path(spec.path).expanduser()))
+        if spec.path is not None and spec.path.endswith(".gguf") and not folder.exists():
+            return Path(spec.path).expanduser().stat().st_size
         if folder is None:
             return 0
-        return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+        return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     except OSError:
         return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 
@@ -24,8 +24,25 @@ class ServerState:
     models: ModelPool[ServedModel]
 
     @contextlib.asynccontextmanager
-    async def model(self, name: str) -> AsyncIterator[ServedModel]:
-        """The model a request names, loaded, held while the block runs; errors as the API's."""
+    async def model(
+        self, name: str, kind: Literal["chat", "embedding"] = "chat"
+    ) -> AsyncIterator[ServedModel]:
+        """The model a request names, loaded, held while the block runs; errors as the API's.
+
+        `kind`: what the route needs, a model that generates text or one that embeds; the
+        other kind is a 400 before anything is loaded.
+        """
+        with pool_errors(self.models):
+            spec = self.models.spec(name)
+        if self.models.loader.kind(spec) != kind:
+            if kind == "embedding":
+                message = (
+                    f"The model '{spec.id}' generates text and has no embeddings. Name an "
+                    "embedding model (GET /v1/models gives each model's type)."
+                )
+            else:
+                message = f"The model '{spec.id}' is an embedding model: use POST /v1/embeddings."
+            raise APIError(400, message, param="model", code="wrong_model_type")
         with pool_errors(self.models):  # the block's own errors are never the pool's
             async with self.models.use(name) as served:
                 yield served

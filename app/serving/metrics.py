@@ -58,7 +58,7 @@ class _ModelsCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield from self._models()
-        engines = [m.served.engine for m in self.pool.loaded()]
+        engines = [m.served.engine for m in self.pool.loaded() if m.served.engine is not None]
         waiting = sum(e.waiting for e in engines)
         yield _gauge("mlx_queue_depth", "Requests submitted but not yet running", waiting)
         running = sum(e.running for e in engines)

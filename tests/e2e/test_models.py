@@ -189,6 +189,7 @@ def test_the_model_list_and_the_admin_load_and_unload(tiny_model_dir, second_mod
     with serving_models(model_specs, api_keys=["k"], admin_key="adm") as live:
         models = {m.id: m.model_extra for m in client(live.url, "k").models.list().data}
         assert models["b"] == {
+            "type": "chat",
             "status": "unloaded", "loaded": False, "context_length": 2048, "aliases": ["bee"],
             "pinned": False, "ttl": None, "memory_bytes": models["b"]["memory_bytes"],
         }  # fmt: skip

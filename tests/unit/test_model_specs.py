@@ -65,6 +65,7 @@ def test_the_flags_model_comes_first_and_answers_to_default():
         ([{"path": "/a", "tempreature": 1}], "unknown keys tempreature"),
         ([{"path": "/a", "ttl": -1}], "'ttl'"),
         ([{"path": "/a", "aliases": [1]}], "'aliases'"),
+        ([{"path": "/a", "pooling": "max"}], "'pooling'"),
         ([{"path": "/a", "id": "m"}, {"path": "/b", "aliases": ["m"]}], "two models"),
         ([{"path": "/a", "id": "default-model"}], "two models"),
     ],

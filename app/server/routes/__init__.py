@@ -1,5 +1,18 @@
 """HTTP routes, one router per resource."""
 
-from . import cache, chat, completions, health, messages, metrics, models, responses
+from . import (
+    cache,
+    chat,
+    completions,
+    embeddings,
+    health,
+    messages,
+    metrics,
+    models,
+    responses,
+)  # fmt: skip
 
-__all__ = ["cache", "chat", "completions", "health", "messages", "metrics", "models", "responses"]
+__all__ = [
+    "cache", "chat", "completions", "embeddings", "health", "messages", "metrics", "models",
+    "responses",
+]  # fmt: skip

@@ -86,8 +86,8 @@ async def cache_stats(state: State, model: str | None = None) -> CacheReport:
         served = state.models.get(spec.id)
     if served is None:
         return CacheReport(model=spec.id, loaded=False, enabled=not state.settings.no_cache)
-    cache = served.engine.cache
-    if cache is None:
+    cache = served.engine.cache if served.engine is not None else None
+    if cache is None:  # --no-cache, or an embedding model
         return CacheReport(model=spec.id, enabled=False)
     models = []
     for key, s in cache.stats_by_model().items():
@@ -138,6 +138,7 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
         else:
             served = state.models.get(model)
             engines = [served.engine] if served is not None else []
+    engines = [engine for engine in engines if engine is not None]  # embedding models: none
     cleared = 0
     for engine in engines:
         if engine.cache is None:

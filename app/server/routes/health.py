@@ -13,7 +13,7 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health", response_model=Health, summary="Is the server able to serve?")
 async def health(state: State):
-    loaded = [m.served.engine for m in state.models.loaded()]
+    loaded = [m.served.engine for m in state.models.loaded() if m.served.engine is not None]
     alive = all(engine.alive for engine in loaded)
     body = Health(
         status="ok" if alive else "unavailable",

@@ -58,9 +58,15 @@ def _card_of(state: ServerState, model_id: str) -> ModelCard:
 
 def _card(state: ServerState, s: ModelState) -> ModelCard:
     served = state.models.get(s.spec.id) if s.status == "loaded" else None
-    context = served.engine.context_length if served is not None else _configured_context(state, s)
+    if served is None:
+        context = _configured_context(state, s)
+    elif served.engine is not None:
+        context = served.engine.context_length
+    else:
+        context = served.embeddings.embedder.context_length
     return ModelCard(
         id=s.spec.id,
+        type=state.models.loader.kind(s.spec),
         created=state.started,
         status=s.status,
         loaded=s.status == "loaded",

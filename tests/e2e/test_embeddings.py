@@ -1,0 +1,120 @@
+"""POST /v1/embeddings through the `openai` SDK: one vector per input, pooled as the model's
+sentence-transformers files say, the same alone or in any batch, and clear 400s for what
+cannot be embedded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from mlx_lm import load
+
+from app.models.specs import ModelSpec
+from tests.e2e.test_models import client, serving_models
+from tests.tiny_model import build_tiny_model
+
+TEXTS = ["Paris is the capital of France.", "hi", "A longer sentence about the cache, for padding."]
+
+
+@pytest.fixture(scope="module")
+def embedding_dir(tmp_path_factory) -> Path:
+    """The tiny model as a sentence-transformers embedding model: last-token pooling, then
+    normalized (as Qwen3-Embedding's files declare)."""
+    folder = build_tiny_model(Path(tmp_path_factory.mktemp("tiny-embed")) / "m", seed=2)
+    kinds = {"": "Transformer", "1_Pooling": "Pooling", "2_Normalize": "Normalize"}
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(kinds.items())
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def live(embedding_dir, tiny_model_dir):
+    models = [
+        ModelSpec("chat", str(tiny_model_dir)),
+        ModelSpec("embed", str(embedding_dir)),
+        # A plain model folder, configured as an embedding model with mean pooling.
+        ModelSpec("mean", str(tiny_model_dir), embedding=True, pooling="mean", normalize=False),
+    ]
+    with serving_models(models) as server:
+        yield server
+
+
+def hidden_states(folder: Path, text: str) -> np.ndarray:
+    """The model's final hidden states for one text, computed here without the server."""
+    model, tokenizer = load(str(folder))
+    return np.array(model.model(mx.array([tokenizer.encode(text)]))[0].astype(mx.float32))
+
+
+def test_vectors_are_the_models_pooled_hidden_states(live, embedding_dir, tiny_model_dir):
+    c = client(live.url)
+    r = c.embeddings.create(model="embed", input=TEXTS)  # the SDK asks for base64
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == "embed"
+    vectors = np.array([d.embedding for d in r.data])
+    assert vectors.shape == (3, 64)
+    for text, vector in zip(TEXTS, vectors, strict=True):
+        last = hidden_states(embedding_dir, text)[-1]
+        np.testing.assert_allclose(vector, last / np.linalg.norm(last), atol=1e-5)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, TEXTS))  # one per char
+    mean = c.embeddings.create(model="mean", input=TEXTS[0], encoding_format="float")
+    expected = hidden_states(tiny_model_dir, TEXTS[0]).mean(axis=0)
+    np.testing.assert_allclose(mean.data[0].embedding, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_input_embeds_the_same_alone_in_a_batch_and_in_either_format(live):
+    c = client(live.url)
+    alone = [c.embeddings.create(model="embed", input=t).data[0].embedding for t in TEXTS]
+    batch = c.embeddings.create(model="embed", input=TEXTS[::-1], encoding_format="float")
+    together = [d.embedding for d in batch.data][::-1]
+    np.testing.assert_allclose(np.array(alone), np.array(together), atol=1e-5)
+    again = c.embeddings.create(model="embed", input=TEXTS[0]).data[0].embedding
+    assert again == alone[0]  # deterministic
+
+
+def test_tokens_in_and_shortened_vectors(live):
+    c = client(live.url)
+    tokens = [40, 41, 42, 43]
+    one = c.embeddings.create(model="embed", input=tokens).data[0].embedding
+    many = c.embeddings.create(model="embed", input=[tokens, tokens[:2]]).data
+    assert np.allclose(one, many[0].embedding, atol=1e-5) and len(many) == 2
+    short = c.embeddings.create(model="embed", input="hi", dimensions=16).data[0].embedding
+    full = np.array(c.embeddings.create(model="embed", input="hi").data[0].embedding)
+    assert len(short) == 16 and np.isclose(np.linalg.norm(short), 1.0)
+    np.testing.assert_allclose(short, full[:16] / np.linalg.norm(full[:16]), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, says",
+    [
+        ({"model": "chat", "input": "hi"}, 400, "has no embeddings"),
+        ({"model": "nope", "input": "hi"}, 404, "does not exist"),
+        ({"model": "embed", "input": ""}, 400, "empty"),
+        ({"model": "embed", "input": []}, 400, "empty"),
+        ({"model": "embed", "input": [[1, 2], []]}, 400, "input[1] is empty"),
+        ({"model": "embed", "input": [10**6]}, 400, "outside the vocabulary"),
+        ({"model": "embed", "input": "x" * 5000}, 400, "at most 4096"),
+        ({"model": "embed", "input": "hi", "dimensions": 65}, 400, "at most 64"),
+        ({"model": "embed", "input": [True]}, 400, "input"),
+    ],
+)
+def test_what_cannot_be_embedded_is_a_clear_error(live, kwargs, status, says):
+    with pytest.raises(openai.APIStatusError) as e:
+        client(live.url).embeddings.create(encoding_format="float", **kwargs)
+    assert e.value.status_code == status and says in str(e.value), str(e.value)
+
+
+def test_an_embedding_model_asked_to_chat_and_the_model_list(live):
+    c = client(live.url)
+    with pytest.raises(openai.BadRequestError, match="use POST /v1/embeddings"):
+        c.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}])
+    types = {m.id: m.model_extra["type"] for m in c.models.list().data}
+    assert types == {"chat": "chat", "embed": "embedding", "mean": "embedding"}
