@@ -311,3 +311,25 @@ def test_an_unloaded_models_arrays_are_freed(tiny_model_dir, second_model_dir):
         r = httpx.post(live.url + "/v1/models/b/unload", headers={"Authorization": "Bearer adm"})
         assert r.status_code == 200
         assert weights() is None  # freed by the unload itself, not by some later collection
+
+
+def test_an_unloaded_models_conversations_come_back_from_the_disk_tier(
+    tiny_model_dir, second_model_dir, tmp_path
+):
+    with serving_models(
+        specs(tiny_model_dir, second_model_dir), admin_key="adm", cache_dir=str(tmp_path)
+    ) as live:
+        c = client(live.url)
+        messages = [{"role": "user", "content": QUESTIONS[0]}]
+        first = c.chat.completions.create(model="b", messages=messages, max_tokens=8)
+        r = httpx.post(live.url + "/v1/models/b/unload", headers={"Authorization": "Bearer adm"})
+        assert r.status_code == 200 and statuses(live.url)["b"] == "unloaded"
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "And then?"},
+        ]
+        again = c.chat.completions.create(model="b", messages=messages, max_tokens=8)
+        assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        admin = {"Authorization": "Bearer adm"}
+        disk = httpx.get(live.url + "/v1/cache", params={"model": "b"}, headers=admin).json()
+        assert disk["models"][0]["disk_hits"] == 1
