@@ -178,7 +178,7 @@ def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from .models.default_model import NAME
-    from .models.specs import model_specs
+    from .models.specs import check_paths, model_specs
     from .runtime.blas import describe as describe_blas
     from .runtime.memory import limit_buffer_pool, unmap_large_blocks
     from .server.app import create_app
@@ -195,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
         settings = load_settings(args.config, flags)
         settings.models = settings.models + [{"path": p} for p in paths[1:]]
         specs = model_specs(settings, NAME)
+        check_paths(specs)
     except (OSError, ValueError) as e:
         print(f"mlx-cache-server: {e}", file=sys.stderr)
         return 2

@@ -91,7 +91,7 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _coerce(name: str, value: Any) -> Any:
+def coerce(name: str, value: Any) -> Any:
     if value is None:
         return None
     if name in ("cache_max_bytes", "cache_disk_bytes", "max_body_bytes", "memory_budget",
@@ -102,7 +102,10 @@ def _coerce(name: str, value: Any) -> Any:
             raise ValueError("models: expected [[models]] tables in the settings file")
         return value
     if name == "chat_template_kwargs":
-        value = json.loads(value) if isinstance(value, str) else value
+        try:
+            value = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            value = None
         if not isinstance(value, dict):
             raise ValueError("chat_template_kwargs: expected a table (a JSON object)")
         return value
@@ -133,7 +136,9 @@ def load_settings(config: Path | None, flags: dict[str, Any]) -> Settings:
         if env is not None:
             values[f.name] = env
     values.update({k: v for k, v in flags.items() if v is not None})
-    settings = Settings(**{k: _coerce(k, v) for k, v in values.items()})
+    settings = Settings(**{k: coerce(k, v) for k, v in values.items()})
+    if not settings.model_load_timeout > 0:
+        raise ValueError(f"model_load_timeout must be positive: {settings.model_load_timeout}")
     if settings.model_ttl is not None and not settings.model_ttl > 0:
         raise ValueError(f"model_ttl must be a positive number of seconds: {settings.model_ttl}")
     if not 0 < settings.decode_gap < float("inf"):

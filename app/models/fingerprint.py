@@ -27,9 +27,15 @@ SAMPLE_BYTES = 64 * 1024
 
 
 def kv_fingerprint(
-    folder: Path | None, model_id: str, model: Any, kv: dict[str, Any] | None = None
+    folder: Path | None,
+    model_id: str,
+    model: Any,
+    kv: dict[str, Any] | None = None,
+    served_as: str | None = None,
 ) -> str:
-    """`kv`: how the KV is kept beyond the model's own layers (its quantization)."""
+    """`kv`: how the KV is kept beyond the model's own layers (its quantization).
+    `served_as`: the id the server serves it under, so that two ids on the same weights
+    (one server, each with its own template options) each have a folder of their own."""
     h = hashlib.blake2b(digest_size=16)
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     layers = [type(c).__name__ for c in make_prompt_cache(model)]
@@ -37,6 +43,8 @@ def kv_fingerprint(
              "dtypes": dtypes, "layers": layers}  # fmt: skip
     if kv and kv.get("bits") is not None:  # unquantized keeps the fingerprints it had
         facts["kv"] = kv
+    if served_as is not None:
+        facts["served_as"] = served_as
     h.update(json.dumps(facts, sort_keys=True).encode())
     if folder is None:  # nothing on disk to read: the name has to do
         h.update(model_id.encode())

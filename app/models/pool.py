@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar
 
 from .residency import Resident, expired, make_room
 from .specs import ModelSpec
@@ -106,6 +106,7 @@ class ModelPool(Generic[S]):
         self._loading: dict[str, asyncio.Future] = {}
         self._wanted: Counter[str] = Counter()  # requests waiting in `use` for a model
         self._blocked: dict[str, list[str]] = {}  # a load waiting for busy models' room
+        self._closed = False
         self._changing = asyncio.Lock()
         self.loads: Counter[str] = Counter()
         self.unloads: Counter[str] = Counter()
@@ -188,6 +189,8 @@ class ModelPool(Generic[S]):
                 return False
             if spec.pinned:
                 raise ModelBusy(f"The model '{spec.id}' is pinned: it stays loaded.")
+            if spec.id in self._loading:
+                raise ModelBusy(f"The model '{spec.id}' is loading; unload it once it is loaded.")
             if self._busy(loaded):
                 raise ModelBusy(
                     f"The model '{spec.id}' has requests running; unload it once they end."
@@ -205,9 +208,11 @@ class ModelPool(Generic[S]):
             return []
         gone = []
         async with self._changing:
-            for model_id in expired(self._residents(), self.clock()):  # as of now, locked
-                await self._unload(model_id, "idle")
-                gone.append(model_id)
+            # One at a time, each decided afresh: while one unloads, a request may take
+            # the next one on the list.
+            while ids := expired(self._residents(), self.clock()):
+                await self._unload(ids[0], "idle")
+                gone.append(ids[0])
         return gone
 
     async def sweep_forever(self, every: float = 1.0) -> None:
@@ -237,7 +242,8 @@ class ModelPool(Generic[S]):
         self._loaded[spec.id] = Loaded(spec, served, self.loader.measure(served), self.clock())
 
     def close(self) -> None:
-        """Unload everything (at shutdown)."""
+        """Unload everything (at shutdown); a load still running is undone when it ends."""
+        self._closed = True
         for model_id in list(self._loaded):
             self.loader.close(self._loaded.pop(model_id).served)
         self.loader.reclaim()
@@ -285,20 +291,68 @@ class ModelPool(Generic[S]):
             task.exception()  # retrieved here: its waiters may all have timed out
 
     async def _load(self, spec: ModelSpec) -> None:
-        async with self._changing:
-            if spec.id in self._loaded:
-                return
-            await self._make_room(spec, self.loader.estimate(spec))
-            log.info("loading model %s", spec.id)
-            t0 = time.perf_counter()
-            try:
-                served = await asyncio.to_thread(self.loader.open, spec)
-            except Exception as e:
-                log.exception("loading model %s failed", spec.id)
-                raise ModelUnavailable(
-                    f"The model '{spec.id}' could not be loaded: {e}", retry=False
-                ) from e
-            self._register(spec, served, time.perf_counter() - t0)
+        """Make room and load; the lock is held for each try at room and for the load
+        itself, not while waiting for busy models: other models load and unload meanwhile."""
+        deadline = time.monotonic() + self.load_timeout
+        try:
+            while True:
+                async with self._changing:
+                    if spec.id in self._loaded:
+                        return
+                    if await self._room_for(spec):
+                        await self._open(spec)
+                        return
+                if time.monotonic() >= deadline:
+                    busy = ", ".join(self._blocked.get(spec.id, []))
+                    raise ModelUnavailable(
+                        f"The model '{spec.id}' needs room that busy models hold ({busy}); "
+                        "retry when they are idle."
+                    )
+                await asyncio.sleep(POLL)
+        finally:
+            self._blocked.pop(spec.id, None)
+
+    async def _room_for(self, spec: ModelSpec) -> bool:
+        """Unload what must go for `spec` to fit, one model at a time and each decided
+        afresh (a request may take one while another unloads); False: busy models hold
+        the room."""
+        need = self.loader.estimate(spec)
+        while True:
+            room = make_room(self._residents(), need, self.budget)
+            if not room.ever:
+                raise ModelUnavailable(self._too_big(spec, need), retry=False)
+            if not room.fits:
+                self._blocked[spec.id] = [r.id for r in self._residents() if r.busy]
+                return False
+            if not room.unload:
+                return True
+            await self._unload(room.unload[0], f"room for {spec.id}")
+
+    async def _open(self, spec: ModelSpec) -> None:
+        log.info("loading model %s", spec.id)
+        t0 = time.perf_counter()
+        try:
+            served = await asyncio.to_thread(self.loader.open, spec)
+        except Exception as e:
+            log.exception("loading model %s failed", spec.id)
+            raise ModelUnavailable(
+                f"The model '{spec.id}' could not be loaded: {e}", retry=False
+            ) from e
+        if self._closed:  # the server stopped while it loaded
+            self.loader.close(served)
+            raise ModelUnavailable("The server is shutting down.")
+        self._register(spec, served, time.perf_counter() - t0)
+        # Counted before loading from its files, a model may measure more once loaded.
+        while self.budget is not None and sum(m.bytes for m in self._loaded.values()) > self.budget:
+            others = [r for r in self._residents() if r.id != spec.id]
+            room = make_room(others, self._loaded[spec.id].bytes, self.budget)
+            if not (room.fits and room.unload):
+                log.warning(
+                    "loaded models count more than the %d MiB budget: %s measured more than "
+                    "its files, and the others are busy or pinned", self.budget >> 20, spec.id,
+                )  # fmt: skip
+                break
+            await self._unload(room.unload[0], f"room for {spec.id}, as measured")
 
     def _register(self, spec: ModelSpec, served: S, seconds: float) -> None:
         loaded = Loaded(spec, served, self.loader.measure(served), self.clock())
@@ -306,37 +360,6 @@ class ModelPool(Generic[S]):
         self.loads[spec.id] += 1
         self.load_seconds[spec.id] = seconds
         log.info("model %s loaded in %.1fs (%d MiB counted)", spec.id, seconds, loaded.bytes >> 20)
-        total = sum(m.bytes for m in self._loaded.values())
-        if self.budget is not None and total > self.budget:
-            log.warning(
-                "loaded models count %d MiB, over the %d MiB budget: %s measured more than "
-                "its files", total >> 20, self.budget >> 20, spec.id,
-            )  # fmt: skip
-
-    async def _make_room(self, spec: ModelSpec, need: int) -> None:
-        try:
-            await self._wait_for_room(spec, need)
-        finally:
-            self._blocked.pop(spec.id, None)
-
-    async def _wait_for_room(self, spec: ModelSpec, need: int) -> None:
-        deadline = time.monotonic() + self.load_timeout
-        while True:
-            room = make_room(self._residents(), need, self.budget)
-            if not room.ever:
-                raise ModelUnavailable(self._too_big(spec, need), retry=False)
-            if room.fits:
-                for model_id in room.unload:
-                    await self._unload(model_id, f"room for {spec.id}")
-                return
-            busy = [r.id for r in self._residents() if r.busy]
-            if time.monotonic() >= deadline:
-                raise ModelUnavailable(
-                    f"The model '{spec.id}' needs room that busy models hold "
-                    f"({', '.join(busy)}); retry when they are idle."
-                )
-            self._blocked[spec.id] = busy
-            await asyncio.sleep(POLL)
 
     async def _unload(self, model_id: str, reason: str) -> None:
         served = self._loaded.pop(model_id).served
@@ -355,8 +378,3 @@ class ModelPool(Generic[S]):
             f"{(self.budget or 0) >> 20} MiB with {pinned >> 20} MiB of it pinned: it cannot "
             "fit. Raise --memory-budget or unpin a model."
         )
-
-
-def describe(states: list[ModelState]) -> list[dict[str, Any]]:
-    """The states as log lines' fields."""
-    return [{"id": s.spec.id, "status": s.status, "MiB": s.bytes >> 20} for s in states]

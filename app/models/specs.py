@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..settings import Settings, parse_size
+from ..settings import Settings, coerce, parse_size
 
 # What a [[models]] table may set for its model alone, and the setting it overrides.
 OVERRIDES = {
@@ -50,9 +50,16 @@ class ModelSpec:
     overrides: dict[str, Any] = field(default_factory=dict, hash=False)  # Settings fields
 
     def settings(self, base: Settings) -> Settings:
-        """The server's settings as this model runs with them."""
+        """The server's settings as this model runs with them (its template variables on
+        top of the server's)."""
+        overrides = dict(self.overrides)
+        if "chat_template_kwargs" in overrides:
+            overrides["chat_template_kwargs"] = {
+                **base.chat_template_kwargs,
+                **overrides["chat_template_kwargs"],
+            }
         return replace(
-            base, served_model_name=self.id, model_aliases=list(self.aliases), **self.overrides
+            base, served_model_name=self.id, model_aliases=list(self.aliases), **overrides
         )
 
     def names(self) -> set[str]:
@@ -64,6 +71,13 @@ class ModelSpec:
 def model_specs(settings: Settings, default_name: str) -> list[ModelSpec]:
     """The configured models, the default first; a ValueError says what is wrong."""
     specs = []
+    if settings.model is None and settings.models:
+        for flag in ("served_model_name", "model_aliases"):
+            if getattr(settings, flag):
+                raise ValueError(
+                    f"{flag} names the model of --model; with [[models]] tables alone, give "
+                    "each model its id and aliases in its table"
+                )
     if settings.model is not None or not settings.models:
         path = settings.model
         specs.append(
@@ -75,6 +89,13 @@ def model_specs(settings: Settings, default_name: str) -> list[ModelSpec]:
             )
         )
     specs += [_from_table(t, i, settings) for i, t in enumerate(settings.models)]
+    ids = [spec.id for spec in specs]
+    for same in ids:
+        if ids.count(same) > 1:
+            raise ValueError(
+                f"two models have the id {same!r} (two folders of that name, say); give "
+                "each its own id in its [[models]] table"
+            )
     seen: dict[str, str] = {}
     for spec in specs:
         for name in spec.names() | ({"default"} if spec is specs[0] else set()):
@@ -106,27 +127,48 @@ def _from_table(table: Any, i: int, settings: Settings) -> ModelSpec:
     ttl = table.get("ttl", settings.model_ttl)
     if ttl is not None and not (isinstance(ttl, int | float) and ttl > 0):
         raise ValueError(f"{where}: 'ttl' must be a positive number of seconds")
+    for key in ("pinned", "embedding", "normalize"):
+        if key in table and not isinstance(table[key], bool):
+            raise ValueError(f"{where}: '{key}' must be true or false")
     working = table.get("working_memory")
     pooling = table.get("pooling")
     if pooling is not None and pooling not in ("last", "mean", "cls"):
         raise ValueError(f"{where}: 'pooling' is one of last, mean, cls")
-    overrides = {OVERRIDES[k]: v for k, v in table.items() if k in OVERRIDES}
-    if "cache_max_bytes" in overrides:
-        overrides["cache_max_bytes"] = parse_size(overrides["cache_max_bytes"])
+    overrides = {}
+    for key, name in OVERRIDES.items():
+        if key in table:
+            try:  # a wrong type named here, not when the model first loads
+                overrides[name] = coerce(name, table[key])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: '{key}': {e}") from None
     if not isinstance(overrides.get("chat_template_kwargs", {}), dict):
         raise ValueError(f"{where}: 'chat_template_kwargs' must be a table")
     return ModelSpec(
         id=str(table.get("id") or model_id(path)),
         path=path,
         aliases=tuple(aliases),
-        pinned=bool(table.get("pinned", False)),
+        pinned=table.get("pinned", False),
         ttl=float(ttl) if ttl is not None else None,
         working_memory=parse_size(working) if working is not None else None,
-        embedding=bool(table.get("embedding", False)) or pooling is not None,
+        embedding=table.get("embedding", False) or pooling is not None,
         pooling=pooling,
-        normalize=bool(table.get("normalize", True)),
+        normalize=table.get("normalize", True),
         overrides=overrides,
     )
+
+
+def check_paths(specs: list[ModelSpec]) -> None:
+    """A ValueError for a model whose path is a local one that does not exist (at start, not
+    when a request first names it; a hub id is only known when it is fetched)."""
+    for spec in specs:
+        if spec.path is not None and _looks_local(spec.path):
+            if not Path(spec.path).expanduser().exists():
+                raise ValueError(f"model {spec.id}: {spec.path} does not exist")
+
+
+def _looks_local(path: str) -> bool:
+    """A path, not a hub id (`org/name`): absolute, relative to here or home, or a file."""
+    return path.startswith(("/", "./", "../", "~")) or path.endswith(".gguf")
 
 
 def model_id(path: str) -> str:

@@ -206,7 +206,7 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         if settings.cache_dir:
             root = Path(settings.cache_dir).expanduser()
             kv = {"bits": settings.kv_bits, "group_size": settings.kv_group_size}
-            fingerprint = kv_fingerprint(folder, model_path, model, kv)
+            fingerprint = kv_fingerprint(folder, model_path, model, kv, served_as=model_id)
             try:
                 disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
             except DiskTierBusy as e:  # two servers writing one index would corrupt it

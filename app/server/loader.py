@@ -106,6 +106,8 @@ class ModelLoader:
         if engine is None:
             return
         engine.stop()
+        if engine.alive:  # its thread is stuck in a step: its memory is not free either
+            log.error("model %s: its engine did not stop within 10 s", engine.model_id)
         if engine.cache is not None and engine.cache.disk is not None:
             engine.cache.disk.close(served.settings.shutdown_grace)  # what is queued, written
 
@@ -127,7 +129,10 @@ class ModelLoader:
     def requests(self, served: ServedModel) -> int:
         if served.engine is None:
             return served.embeddings.embedder.in_flight
-        return served.engine.in_flight
+        engine = served.engine
+        # Slots count what the server admitted; the engine's own counts also see what
+        # runs without one (warm prompts) or has not left the batch yet (a cancellation).
+        return max(engine.in_flight, engine.running + engine.waiting)
 
     def _pooling(self, spec: ModelSpec) -> Pooling | None:
         folder = _local_folder(spec)

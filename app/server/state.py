@@ -47,11 +47,6 @@ class ServerState:
             async with self.models.use(name) as served:
                 yield served
 
-    def loaded(self, name: str) -> ServedModel | None:
-        """The model `name` names if it is loaded (a 404 if no model has that name)."""
-        with pool_errors(self.models):
-            return self.models.get(name)
-
 
 @contextlib.contextmanager
 def pool_errors(pool: ModelPool) -> Iterator[None]:

@@ -204,7 +204,9 @@ class MessagesServing:
         check_prompt_chars(sum(map(message_chars, chat.messages)), engine, "messages")
         tools = await off_loop(plan_tools, chat, engine)
         strip = self.chat.settings.strip_attribution_header
-        return {"input_tokens": len(await off_loop(render, engine, chat, tools, strip))}
+        kwargs = self.chat.settings.chat_template_kwargs
+        tokens = await off_loop(render, engine, chat, tools, strip, kwargs)
+        return {"input_tokens": len(tokens)}
 
 
 def _input(arguments: str) -> dict[str, Any]:

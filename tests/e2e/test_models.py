@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -128,10 +129,18 @@ def test_a_budget_for_one_model_unloads_and_reloads_as_requests_alternate(
                 assert conversation(c, model, q)[0] == uncached[(model, q)], (model, q)
                 assert statuses(live.url)[model] == "loaded"
                 assert list(statuses(live.url).values()).count("loaded") == 1
-        metrics = httpx.get(live.url + "/metrics").text
-        assert 'mlx_model_loads_total{model="a"} 2.0' in metrics
-        assert 'mlx_model_unloads_total{model="a"} 2.0' in metrics
-        assert 'mlx_model_loads_total{model="b"} 2.0' in metrics
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {
+            (s.name, s.labels.get("model")): s.value
+            for family in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)
+            for s in family.samples
+        }
+        assert samples[("mlx_model_loads_total", "a")] == 2
+        assert samples[("mlx_model_unloads_total", "a")] == 2
+        assert samples[("mlx_model_loads_total", "b")] == 2
+        assert samples[("mlx_model_loaded", "b")] == 1 and samples[("mlx_model_loaded", "a")] == 0
+        assert samples[("mlx_memory_budget_bytes", None)] == budget
 
 
 def test_a_model_is_never_unloaded_under_a_running_stream(tiny_model_dir, second_model_dir):
@@ -203,8 +212,9 @@ def test_the_model_list_and_the_admin_load_and_unload(tiny_model_dir, second_mod
         loaded = post("/v1/models/bee/load", "adm")
         assert loaded.status_code == 200 and loaded.json()["status"] == "loaded"
         assert client(live.url, "k").models.retrieve("b").model_extra["loaded"] is True
-        health = httpx.get(live.url + "/health").json()
-        assert health["models"] == {"a": "loaded", "b": "loaded"}
+        listed = client(live.url, "k").models.list().data
+        assert {m.id: m.model_extra["status"] for m in listed} == {"a": "loaded", "b": "loaded"}
+        assert httpx.get(live.url + "/health").json()["models"] == {}  # not for keyless eyes
         unloaded = post("/v1/models/b/unload", "adm")
         assert unloaded.status_code == 200 and unloaded.json()["loaded"] is False
         pinned = post("/v1/models/a/unload", "adm")
@@ -243,6 +253,12 @@ def test_a_models_template_variables_apply_to_its_requests(tmp_path):
             for m in ("thinks", "fast")
         }
         assert usage["thinks"] - usage["fast"] == 2  # <think> (one special token) and "\n"
+        import anthropic
+
+        counted = anthropic.Anthropic(base_url=live.url, api_key="x").messages.count_tokens(
+            model="fast", messages=sent
+        )
+        assert counted.input_tokens == usage["fast"]  # counted as it is rendered
 
 
 def test_the_command_line_serves_every_model_flag_the_first_loaded_at_start(
@@ -333,3 +349,43 @@ def test_an_unloaded_models_conversations_come_back_from_the_disk_tier(
         admin = {"Authorization": "Bearer adm"}
         disk = httpx.get(live.url + "/v1/cache", params={"model": "b"}, headers=admin).json()
         assert disk["models"][0]["disk_hits"] == 1
+
+
+def test_a_busy_model_is_not_unloaded_and_one_that_cannot_fit_is_a_503(
+    tiny_model_dir, second_model_dir
+):
+    model_specs = specs(tiny_model_dir, second_model_dir)
+    with serving_models(model_specs, **SMALL) as probe:
+        sizes = {
+            m["id"]: m["memory_bytes"] for m in httpx.get(probe.url + "/v1/models").json()["data"]
+        }
+    too_small = [ModelSpec("a", str(tiny_model_dir), pinned=True), model_specs[1]]
+    with serving_models(too_small, memory_budget=sizes["a"] + sizes["b"] // 2, **SMALL) as live:
+        live.pool.open_now("a")
+        c = client(live.url)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 503 and "cannot fit" in str(e.value)
+        assert "retry-after" not in e.value.response.headers  # waiting will not help
+    with serving_models(model_specs, **SMALL) as live:
+        stream = client(live.url).chat.completions.create(
+            model="b", messages=[{"role": "user", "content": "Count."}], max_tokens=300,
+            logit_bias={"99": -100}, stream=True,
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        busy = httpx.post(live.url + "/v1/models/b/unload")
+        assert busy.status_code == 409 and "requests running" in busy.json()["error"]["message"]
+        assert list(chunks)[-1].choices[0].finish_reason == "length"  # and it ran to its end
+
+
+def test_two_ids_on_the_same_weights_each_have_a_disk_tier(tiny_model_dir, tmp_path):
+    same = [ModelSpec("x", str(tiny_model_dir)), ModelSpec("y", str(tiny_model_dir))]
+    with serving_models(same, cache_dir=str(tmp_path)) as live:
+        c = client(live.url)
+        folders = set()
+        for model in ("x", "y"):
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+            disk = httpx.get(live.url + "/v1/cache", params={"model": model}).json()["disk"]
+            folders.add(disk["folder"])
+        assert len(folders) == 2

@@ -26,6 +26,8 @@ class FakeLoader:
     closed: list[str] = field(default_factory=list)
     gate: threading.Event = field(default_factory=threading.Event)  # held: loads block
     fail: set[str] = field(default_factory=set)
+    slow_close: dict[str, threading.Event] = field(default_factory=dict)  # closes that wait
+    closed_busy: list[str] = field(default_factory=list)  # closed under a running request
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -38,7 +40,11 @@ class FakeLoader:
         return Fake(spec)
 
     def close(self, served: Fake) -> None:
+        if served.requests:
+            self.closed_busy.append(served.spec.id)
         self.closed.append(served.spec.id)
+        if served.spec.id in self.slow_close:
+            self.slow_close[served.spec.id].wait(10)
 
     def reclaim(self) -> None:
         pass
@@ -65,11 +71,12 @@ SPECS = [
     ModelSpec("a", "/a", aliases=("alpha",)),
     ModelSpec("b", "/b", ttl=60),
     ModelSpec("p", "/p", pinned=True),
+    ModelSpec("c", "/c"),
 ]
 
 
 def pool(budget=None, **kw) -> tuple[ModelPool, FakeLoader]:
-    loader = FakeLoader({"a": 40, "b": 40, "p": 30, **kw.pop("sizes", {})})
+    loader = FakeLoader({"a": 40, "b": 40, "p": 30, "c": 20, **kw.pop("sizes", {})})
     return ModelPool(SPECS, loader, budget=budget, **kw), loader
 
 
@@ -225,3 +232,50 @@ def test_ttl_unloads_an_idle_model_on_the_pools_clock_and_a_busy_one_stays():
 
     run(main())
     assert loader.closed == ["b"]
+
+
+def test_a_model_taken_while_another_unloads_for_room_is_not_unloaded_after_it():
+    p, loader = pool(budget=100, sizes={"c": 90})
+    closing_a = loader.slow_close["a"] = threading.Event()
+
+    async def main():
+        for name in ("a", "b"):  # both loaded, idle; c needs both gone
+            async with p.use(name):
+                pass
+
+        async def want_c():
+            async with p.use("c"):
+                pass
+
+        load_c = asyncio.ensure_future(want_c())
+        while "a" not in loader.closed:  # a is being unloaded for c, b is next on the list
+            await asyncio.sleep(0.01)
+        async with p.use("b") as b:  # a request takes b meanwhile, and streams on it
+            b.requests = 1
+        closing_a.set()
+        await asyncio.sleep(0.3)
+        assert not load_c.done() and p.get("b") is b  # c waits for b's room
+        b.requests = 0
+        await load_c
+
+    run(main())
+    assert loader.closed_busy == [] and loader.closed == ["a", "b"]
+
+
+def test_a_load_waiting_for_room_lets_a_model_that_fits_load_meanwhile():
+    p, loader = pool(budget=100, sizes={"b": 70}, load_timeout=5)
+
+    async def main():
+        async with p.use("a") as a:
+            a.requests = 1  # busy: b (70) cannot get its room until a ends
+
+        waiting_b = asyncio.ensure_future(p.load("b"))
+        await asyncio.sleep(0.2)
+        async with p.use("c"):  # 20 fits beside a (40) now: b's wait does not hold it up
+            pass
+        assert not waiting_b.done()
+        a.requests = 0
+        await waiting_b
+
+    run(main())
+    assert loader.opened == ["a", "c", "b"] and loader.closed == ["a"]  # c still fits beside b

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.models.specs import ModelSpec, model_specs
+from app.models.specs import ModelSpec, check_paths, model_specs
 from app.settings import Settings, load_settings
 
 CONFIG = """
@@ -66,6 +66,10 @@ def test_the_flags_model_comes_first_and_answers_to_default():
         ([{"path": "/a", "ttl": -1}], "'ttl'"),
         ([{"path": "/a", "aliases": [1]}], "'aliases'"),
         ([{"path": "/a", "pooling": "max"}], "'pooling'"),
+        ([{"path": "/a", "pinned": "false"}], "'pinned' must be true or false"),
+        ([{"path": "/a", "temperature": "hot"}], "'temperature': could not convert"),
+        ([{"path": "/m/a"}, {"path": "/n/a"}], "two models"),
+        ([{"path": "/m/a", "id": "x"}, {"path": "/n/b", "id": "x"}], "two models have the id 'x'"),
         ([{"path": "/a", "id": "m"}, {"path": "/b", "aliases": ["m"]}], "two models"),
         ([{"path": "/a", "id": "default-model"}], "two models"),
     ],
@@ -83,3 +87,24 @@ def test_the_example_settings_files_load():
     chat, fast, autocomplete = model_specs(load_settings(root / "models.example.toml", {}), "x")
     assert chat.pinned and fast.overrides["chat_template_kwargs"] == {"enable_thinking": False}
     assert autocomplete.path.endswith(".gguf") and autocomplete.id == "autocomplete"
+
+
+def test_names_for_the_flags_model_are_refused_when_only_tables_name_models():
+    with pytest.raises(ValueError, match="served_model_name names the model of --model"):
+        model_specs(Settings(served_model_name="x", models=[{"path": "/a"}]), "embedded")
+
+
+def test_a_models_template_variables_go_over_the_servers():
+    base = Settings(chat_template_kwargs={"enable_thinking": True, "style": "short"})
+    (spec,) = model_specs(
+        Settings(models=[{"path": "/a", "chat_template_kwargs": {"enable_thinking": False}}]),
+        "embedded",
+    )
+    assert spec.settings(base).chat_template_kwargs == {"enable_thinking": False, "style": "short"}
+
+
+def test_a_local_path_that_does_not_exist_is_named_at_start(tmp_path):
+    specs = model_specs(Settings(models=[{"path": str(tmp_path / "gone")}, {"path": "org/m"}]), "e")
+    with pytest.raises(ValueError, match="gone does not exist"):
+        check_paths(specs)
+    check_paths(specs[1:])  # a hub id: known only when fetched

@@ -73,6 +73,8 @@ class CacheReport(BaseModel):
 
 class Cleared(BaseModel):
     cleared: int  # model keys (a model in each tenant's namespace) flushed
+    # Models not loaded, whose disk tier still holds what they cached: flush them loaded.
+    not_flushed: list[str] = []
 
 
 def _split(key: Any) -> tuple[str, str | None]:
@@ -131,13 +133,15 @@ async def cache_stats(state: State, model: str | None = None) -> CacheReport:
 
 @router.delete("/v1/cache", response_model=Cleared, summary="Flush the prompt cache")
 async def cache_flush(state: State, model: str | None = None) -> Cleared:
-    """Flush one model's cache (`?model=`), or every loaded model's."""
+    """Flush one model's cache (`?model=`), or every loaded model's. An unloaded model's RAM
+    cache went with it; its disk tier is not reached (`not_flushed`): load it, then flush."""
     with pool_errors(state.models):
-        if model is None:
-            engines = [m.served.engine for m in state.models.loaded()]
-        else:
-            served = state.models.get(model)
-            engines = [served.engine] if served is not None else []
+        specs = [state.models.spec(model)] if model is not None else state.models.specs
+    loaded = {s.id: state.models.get(s.id) for s in specs}
+    engines = [served.engine for served in loaded.values() if served is not None]
+    not_flushed = []
+    if state.settings.cache_dir and not state.settings.no_cache:
+        not_flushed = [i for i, served in loaded.items() if served is None]
     engines = [engine for engine in engines if engine is not None]  # embedding models: none
     cleared = 0
     for engine in engines:
@@ -148,4 +152,4 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
             engine.cache.clear(key)
         cleared += len(keys)
         engine.release_memory()  # what the flush freed goes back now, not at the next pause
-    return Cleared(cleared=cleared)
+    return Cleared(cleared=cleared, not_flushed=not_flushed)

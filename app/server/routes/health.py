@@ -20,6 +20,9 @@ async def health(state: State):
         model=state.models.default.id,
         running=sum(engine.running for engine in loaded),
         waiting=sum(engine.waiting for engine in loaded),
-        models={s.spec.id: s.status for s in state.models.states()},
+        # Open to all: which models a server has is for those with a key (GET /v1/models).
+        models={}
+        if state.settings.api_keys
+        else {s.spec.id: s.status for s in state.models.states()},
     )
     return JSONResponse(body.model_dump(), status_code=200 if alive else 503)
