@@ -241,7 +241,9 @@ def serve(args: argparse.Namespace) -> int:
     if settings.memory_budget is not None:
         log.info("memory budget for the models: %d MiB", settings.memory_budget >> 20)
     app = create_app(pool, settings=settings, metrics=metrics)
-    if warm_items:  # behind the server's start: requests queue with them
+    if warm_items and pool.get(specs[0].id).engine is None:
+        log.warning("--warm-prompts: the first model is an embedding model; nothing to warm")
+    elif warm_items:  # behind the server's start: requests queue with them
         _start_warming(pool.get(specs[0].id), warm_items, settings)
 
     def stop_engines() -> None:

@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--setups", default="one,cache_aware,round_robin,haproxy")
     ap.add_argument(
         "--router-args",
-        default="--balance-abs-threshold 1 --balance-rel-threshold 1.1",
+        default="--balance-abs-threshold 1 --balance-rel-threshold 1.1 --cache-threshold 0.05",
         help="more sglang-router flags (default: balance the replicas' loads as soon as "
         "they differ; the router's own defaults send every conversation sharing a system "
         "prompt to one replica)",

@@ -8,29 +8,37 @@
 # PORT+1..PORT+N (loopback); the router sends each conversation to the replica whose cache
 # holds its prefix and spreads new conversations by load. Needs the router extra:
 #   pip install -c requirements.lock -e ".[router]"
-# Replicas on other machines: start `mlx-cache-server serve --host 0.0.0.0 --api-key ...` on
-# each, then only the router: python -m sglang_router.launch_router --worker-urls URL...
-# with the flags below. Ctrl-C stops the router and the replicas.
+# Each replica gets the same serve flags: give them no --cache-dir (each disk tier needs a
+# folder of its own), or start them yourself. Replicas on other machines: start
+# `mlx-cache-server serve --host 0.0.0.0 --api-key ...` on each, then only the router:
+# python -m sglang_router.launch_router --worker-urls URL... with the flags below.
+# Ctrl-C stops the router and the replicas. Runs with macOS's bash 3.2 too.
 set -euo pipefail
-N=${1:-2}
-PORT=${2:-8080}
-shift $(( $# >= 2 ? 2 : $# ))
-[ "${1:-}" = "--" ] && shift
+N=2
+PORT=8080
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then N=$1; shift; fi
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then PORT=$1; shift; fi
+if [ $# -gt 0 ] && [ "$1" = "--" ]; then shift; fi
 PIDS=()
-trap 'kill "${PIDS[@]}" 2>/dev/null; wait' EXIT INT TERM
+trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT INT TERM
 URLS=()
 for i in $(seq 1 "$N"); do
   mlx-cache-server serve --port $((PORT + i)) "$@" &
   PIDS+=($!)
   URLS+=("http://127.0.0.1:$((PORT + i))")
 done
-for url in "${URLS[@]}"; do  # each replica loads its model before the router sends it work
-  until curl -sf "$url/health" >/dev/null; do sleep 1; done
+for i in $(seq 0 $((N - 1))); do  # each replica loads its model before the router sends work
+  until curl -sf "${URLS[$i]}/health" >/dev/null; do
+    kill -0 "${PIDS[$i]}" 2>/dev/null || { echo "replica ${URLS[$i]} did not start" >&2; exit 1; }
+    sleep 1
+  done
 done
-# Balance as soon as the replicas' loads differ: the router's own thresholds (64 requests)
-# would send every conversation sharing a system prompt to one replica.
+# --balance-*: balance as soon as the replicas' loads differ (the router's default, 64
+# requests, sends every conversation sharing a system prompt to one replica).
+# --cache-threshold: follow a conversation even when its new turn is most of its text (a
+# short question, a long answer: the router's default, 0.3, would route it by load).
 python -m sglang_router.launch_router --host 127.0.0.1 --port "$PORT" \
   --policy cache_aware --balance-abs-threshold 1 --balance-rel-threshold 1.1 \
-  --worker-urls "${URLS[@]}" &
+  --cache-threshold 0.05 --worker-urls "${URLS[@]}" &
 PIDS+=($!)
-wait -n "${PIDS[@]}"
+while kill -0 "${PIDS[@]}" 2>/dev/null; do sleep 1; done  # until one of them ends

@@ -19,8 +19,10 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-PoolingMode = Literal["last", "mean", "cls"]
+PoolingMode = Literal["last", "mean"]
 BATCH_TOKENS = 8192  # padded tokens in one forward pass, bounding its activations
+CHUNK = 512  # a longer input runs alone, this many tokens at a time over its KV: attention's
+# scores stay chunk x length instead of length x length
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,8 @@ class Pooling:
 
 
 def sentence_transformers_pooling(folder: Path) -> Pooling | None:
-    """The pooling a sentence-transformers model folder declares; None if it declares none."""
+    """The pooling a sentence-transformers model folder declares; None if it declares none.
+    A ValueError for what a causal model run by mlx-lm cannot reproduce."""
     try:
         modules = json.loads((folder / "modules.json").read_text())
     except (OSError, ValueError):
@@ -40,22 +43,25 @@ def sentence_transformers_pooling(folder: Path) -> Pooling | None:
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
     if "Pooling" not in kinds:
         return None
+    others = set(kinds) - {"Transformer", "Pooling", "Normalize"}
+    if others:  # a Dense projection, say: vectors without it would be silently wrong
+        raise ValueError(f"its sentence-transformers modules {sorted(others)} are not supported")
     try:
         config = json.loads((folder / kinds["Pooling"].get("path", "") / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
-    mode: PoolingMode = "mean"
-    if config.get("pooling_mode_lasttoken"):
-        mode = "last"
-    elif config.get("pooling_mode_cls_token"):
-        mode = "cls"
+    modes = {k for k, v in config.items() if k.startswith("pooling_mode_") and v}
+    if modes == {"pooling_mode_lasttoken"}:
+        mode: PoolingMode = "last"
+    elif modes == {"pooling_mode_mean_tokens"}:
+        mode = "mean"
+    else:  # cls: a causal model's first token sees nothing else; max and the rest: not here
+        raise ValueError(f"its pooling {sorted(modes)} is not supported (last token or mean)")
     return Pooling(mode, normalize="Normalize" in kinds)
 
 
 def pool(hidden: mx.array, lengths: list[int], mode: PoolingMode) -> mx.array:
     """One vector per row of right-padded hidden states (batch, tokens, width)."""
-    if mode == "cls":
-        return hidden[:, 0]
     if mode == "last":
         return hidden[mx.arange(hidden.shape[0]), mx.array(lengths) - 1]
     mask = mx.arange(hidden.shape[1])[None, :] < mx.array(lengths)[:, None]
@@ -86,6 +92,10 @@ class Embedder:
         """One vector per input, in order; inputs must be non-empty and fit the context."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         out: list[list[float]] = [[] for _ in inputs]
+        long = [i for i in order if len(inputs[i]) > CHUNK]
+        for i in long:
+            out[i] = self._chunked(inputs[i])
+        order = order[: len(order) - len(long)]
         start = 0
         while start < len(order):
             end = start + 1  # the longest of a batch sets its padded size: sorted, it is last
@@ -96,6 +106,26 @@ class Embedder:
                 out[i] = vector
             start = end
         return out
+
+    def _chunked(self, tokens: list[int]) -> list[float]:
+        """One long input, CHUNK tokens at a time over its own KV: in a causal model each
+        token's hidden state is the same as in one pass."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        with self._lock:
+            cache = make_prompt_cache(self.model)
+            total, last = None, None
+            for start in range(0, len(tokens), CHUNK):
+                chunk = mx.array([tokens[start : start + CHUNK]])
+                hidden = self.model.model(chunk, cache=cache)[0].astype(mx.float32)
+                last = hidden[-1]
+                total = hidden.sum(axis=0) if total is None else total + hidden.sum(axis=0)
+                mx.eval(total, last)
+            vector = last if self.pooling.mode == "last" else total / len(tokens)
+            if self.pooling.normalize:
+                vector = vector / mx.maximum(mx.linalg.norm(vector), 1e-12)
+            mx.eval(vector)
+        return vector.tolist()
 
     def _forward(self, batch: list[list[int]]) -> list[list[float]]:
         lengths = [len(tokens) for tokens in batch]

@@ -45,7 +45,7 @@ class ModelSpec:
     # An embedding model (/v1/embeddings): configured so, or found so from its
     # sentence-transformers files (app/models/embedding.py).
     embedding: bool = False
-    pooling: str | None = None  # "last", "mean" or "cls"; None: its files', else "last"
+    pooling: str | None = None  # "last" or "mean"; None: its files', else "last"
     normalize: bool = True
     overrides: dict[str, Any] = field(default_factory=dict, hash=False)  # Settings fields
 
@@ -132,8 +132,8 @@ def _from_table(table: Any, i: int, settings: Settings) -> ModelSpec:
             raise ValueError(f"{where}: '{key}' must be true or false")
     working = table.get("working_memory")
     pooling = table.get("pooling")
-    if pooling is not None and pooling not in ("last", "mean", "cls"):
-        raise ValueError(f"{where}: 'pooling' is one of last, mean, cls")
+    if pooling is not None and pooling not in ("last", "mean"):
+        raise ValueError(f"{where}: 'pooling' is last or mean")
     overrides = {}
     for key, name in OVERRIDES.items():
         if key in table:

@@ -4,6 +4,7 @@ is loaded, measured and unloaded for `ModelPool`."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -82,7 +83,11 @@ class ModelLoader:
         """What the model serves, known before loading it: "embedding" (configured so, or
         found so from its files) or "chat"."""
         if spec.id not in self._kinds:  # read once: every request asks
-            self._kinds[spec.id] = "embedding" if self._pooling(spec) is not None else "chat"
+            try:
+                embedding = self._pooling(spec) is not None
+            except ValueError:  # an embedding model it cannot serve: its load says why
+                embedding = True
+            self._kinds[spec.id] = "embedding" if embedding else "chat"
         return self._kinds[spec.id]
 
     def open(self, spec: ModelSpec) -> ServedModel:
@@ -91,6 +96,8 @@ class ModelLoader:
         settings = self.settings_of(spec)
         path = str(model_path(spec, log.info))
         pooling = self._pooling(spec)
+        # Decided afresh: a hub id's files may have arrived since it was first asked.
+        self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:
             return self._open_embedder(spec, settings, path, pooling)
         engine = build_engine(settings, path)
@@ -145,11 +152,22 @@ class ModelLoader:
     def _open_embedder(
         self, spec: ModelSpec, settings: Settings, path: str, pooling: Pooling
     ) -> ServedModel:
+        import mlx.core as mx
         from mlx_lm import load
 
+        from ..runtime import cpu_attention
         from .app import context_length_of
 
         model, tokenizer = load(path)
+        if getattr(getattr(model, "args", None), "is_causal", True) is False or _bidirectional(
+            path
+        ):
+            raise ValueError(
+                "it attends both ways (is_causal: false); mlx-lm runs it causally, so its "
+                "vectors would be wrong"
+            )
+        if settings.cpu_fast_path and mx.default_device() == mx.cpu:
+            cpu_attention.install(model)  # a long input's chunks over its KV, as prefill
         context = settings.context_length or context_length_of(model)
         embedder = Embedder(model, tokenizer, pooling, context)
         log.info(
@@ -194,6 +212,14 @@ def model_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None
         return gguf_model_dir(Path(spec.path), progress)
     local = Path(spec.path).expanduser()
     return local if local.exists() else spec.path
+
+
+def _bidirectional(path: str) -> bool:
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("is_causal") is False
 
 
 def _local_folder(spec: ModelSpec) -> Path | None:

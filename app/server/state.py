@@ -35,17 +35,21 @@ class ServerState:
         with pool_errors(self.models):
             spec = self.models.spec(name)
         if self.models.loader.kind(spec) != kind:
-            if kind == "embedding":
-                message = (
-                    f"The model '{spec.id}' generates text and has no embeddings. Name an "
-                    "embedding model (GET /v1/models gives each model's type)."
-                )
-            else:
-                message = f"The model '{spec.id}' is an embedding model: use POST /v1/embeddings."
-            raise APIError(400, message, param="model", code="wrong_model_type")
+            raise APIError(400, _wrong_kind(spec.id, kind), param="model", code="wrong_model_type")
         with pool_errors(self.models):  # the block's own errors are never the pool's
             async with self.models.use(name) as served:
+                if (served.engine is None) != (kind == "embedding"):  # its files said otherwise
+                    raise APIError(400, _wrong_kind(spec.id, kind), param="model")
                 yield served
+
+
+def _wrong_kind(model_id: str, wanted: str) -> str:
+    if wanted == "embedding":
+        return (
+            f"The model '{model_id}' generates text and has no embeddings. Name an embedding "
+            "model (GET /v1/models gives each model's type)."
+        )
+    return f"The model '{model_id}' is an embedding model: use POST /v1/embeddings."
 
 
 @contextlib.contextmanager

@@ -15,12 +15,13 @@ from ..models.embedding import Embedder
 from ..settings import Settings
 from .errors import APIError
 from .metrics import Metrics
-from .schemas import _Request
+from .schemas import TextRequest
 
-MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
+MAX_INPUTS = 2048  # OpenAI's limits on one request: inputs, and tokens over all of them
+MAX_TOKENS = 300_000
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(TextRequest):
     model: str
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -52,6 +53,7 @@ class EmbeddingsServing:
         # Its own thread: a long batch must not hold up the loop's executor, which every
         # chat request's templating goes through.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="embed")
+        self._vocab = len(embedder.tokenizer.vocab)
 
     async def create(self, req: EmbeddingRequest) -> EmbeddingList:
         embedder = self.embedder
@@ -87,7 +89,7 @@ class EmbeddingsServing:
         return EmbeddingList(data=data, model=req.model, usage=usage)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self._thread.shutdown(wait=True, cancel_futures=True)  # queued work has no one waiting
 
     def _tokens(self, given: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         """Each input's tokens, or a 400 naming the input that cannot be embedded."""
@@ -101,7 +103,7 @@ class EmbeddingsServing:
             raise APIError(
                 400, f"At most {MAX_INPUTS} inputs per request; got {len(given)}.", param="input"
             )
-        vocab = len(self.embedder.tokenizer.vocab)
+        vocab, total = self._vocab, 0
         out = []
         for i, item in enumerate(given):
             if isinstance(item, str):
@@ -121,6 +123,13 @@ class EmbeddingsServing:
                     f"{self.embedder.context_length}. Shorten it.",
                     param="input",
                     code="context_length_exceeded",
+                )
+            total += len(tokens)
+            if total > MAX_TOKENS:
+                raise APIError(
+                    400,
+                    f"The inputs are more than {MAX_TOKENS} tokens in all; send fewer at once.",
+                    param="input",
                 )
             out.append(tokens)
         return out

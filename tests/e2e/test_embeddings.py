@@ -104,6 +104,7 @@ def test_tokens_in_and_shortened_vectors(live):
         ({"model": "embed", "input": "x" * 5000}, 400, "at most 4096"),
         ({"model": "embed", "input": "hi", "dimensions": 65}, 400, "at most 64"),
         ({"model": "embed", "input": [True]}, 400, "input"),
+        ({"model": "embed", "input": ["x" * 150] * 2048}, 400, "300000 tokens in all"),
     ],
 )
 def test_what_cannot_be_embedded_is_a_clear_error(live, kwargs, status, says):
@@ -118,3 +119,20 @@ def test_an_embedding_model_asked_to_chat_and_the_model_list(live):
         c.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}])
     types = {m.id: m.model_extra["type"] for m in c.models.list().data}
     assert types == {"chat": "chat", "embed": "embedding", "mean": "embedding"}
+
+
+def test_a_long_input_runs_in_chunks_and_embeds_as_in_one_pass(live, embedding_dir):
+    text = "A long document about caches. " * 60  # 1,800 tokens: over CHUNK, so in chunks
+    got = client(live.url).embeddings.create(model="embed", input=text).data[0].embedding
+    last = hidden_states(embedding_dir, text)[-1]
+    np.testing.assert_allclose(got, last / np.linalg.norm(last), atol=1e-5)
+
+
+def test_text_no_tokenizer_takes_is_a_400_not_a_500(live):
+    import httpx
+
+    body = json.dumps({"model": "embed", "input": ["ok", "a\udfffb"]})  # an escaped surrogate
+    r = httpx.post(
+        live.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]

@@ -15,7 +15,10 @@ from openai import OpenAI
 
 from tests.live import free_port, serving
 
-ROUTER_FLAGS = ["--balance-abs-threshold", "1", "--balance-rel-threshold", "1.1"]
+# As configs/replicas.sh starts it.
+ROUTER_FLAGS = [
+    "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.1", "--cache-threshold", "0.05",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
