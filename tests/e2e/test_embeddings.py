@@ -119,6 +119,10 @@ def test_an_embedding_model_asked_to_chat_and_the_model_list(live):
         c.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}])
     types = {m.id: m.model_extra["type"] for m in c.models.list().data}
     assert types == {"chat": "chat", "embed": "embedding", "mean": "embedding"}
+    import httpx
+
+    cache = httpx.get(live.url + "/v1/cache", params={"model": "embed"}).json()
+    assert cache["enabled"] is False and cache["model"] == "embed"
 
 
 def test_a_long_input_runs_in_chunks_and_embeds_as_in_one_pass(live, embedding_dir):

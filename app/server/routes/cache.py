@@ -86,6 +86,8 @@ async def cache_stats(state: State, model: str | None = None) -> CacheReport:
     with pool_errors(state.models):
         spec = state.models.spec(model) if model is not None else state.models.default
         served = state.models.get(spec.id)
+    if state.models.loader.kind(spec) == "embedding":  # no prompts to cache: no cache
+        return CacheReport(model=spec.id, loaded=served is not None, enabled=False)
     if served is None:
         return CacheReport(model=spec.id, loaded=False, enabled=not state.settings.no_cache)
     cache = served.engine.cache if served.engine is not None else None
@@ -141,7 +143,9 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
     engines = [served.engine for served in loaded.values() if served is not None]
     not_flushed = []
     if state.settings.cache_dir and not state.settings.no_cache:
-        not_flushed = [i for i, served in loaded.items() if served is None]
+        not_flushed = [
+            s.id for s in specs if loaded[s.id] is None and state.models.loader.kind(s) == "chat"
+        ]
     engines = [engine for engine in engines if engine is not None]  # embedding models: none
     cleared = 0
     for engine in engines:
