@@ -41,4 +41,7 @@ python -m sglang_router.launch_router --host 127.0.0.1 --port "$PORT" \
   --policy cache_aware --balance-abs-threshold 1 --balance-rel-threshold 1.1 \
   --cache-threshold 0.05 --worker-urls "${URLS[@]}" &
 PIDS+=($!)
-while kill -0 "${PIDS[@]}" 2>/dev/null; do sleep 1; done  # until one of them ends
+while :; do  # until any of them ends (kill -0 of them all succeeds while one lives)
+  for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || exit 1; done
+  sleep 1
+done

@@ -9,10 +9,12 @@ Invariants:
   for it, or still runs on its engine (`Loader.requests`);
 - one load or unload runs at a time, so two loads never plan against the same
   free memory;
-- with a budget, the loaded models' bytes stay within it: a model that cannot
-  fit even alone beside the pinned ones is refused, one that must wait for busy
-  models waits (bounded by `load_timeout`), and requests for a model that is
-  loading wait for it (bounded too) rather than fail.
+- with a budget, the loaded models' bytes as counted before loading stay within
+  it: a model that cannot fit even alone beside the pinned ones is refused, one
+  that must wait for busy models waits (bounded by `load_timeout`), and requests
+  for a model that is loading wait for it (bounded too) rather than fail. A model
+  that measures more once loaded than its files said unloads idle models after
+  it; when the others are busy or pinned the total stays over until they end.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Loader(Protocol[S]):
     """How a model becomes servable and goes away again; blocking calls, run off the loop."""
 
     def open(self, spec: ModelSpec) -> S: ...
+    def kind(self, spec: ModelSpec) -> str: ...  # what it serves: "chat" or "embedding"
     def close(self, served: S) -> None: ...  # stop serving it
     def reclaim(self) -> None: ...  # free what closed models held, once none is referenced
     def estimate(self, spec: ModelSpec) -> int: ...  # bytes it will count, before loading
@@ -78,7 +81,6 @@ class ModelState:
     spec: ModelSpec
     status: Literal["loaded", "loading", "unloaded"]
     bytes: int  # counted against the budget: measured when loaded, else estimated
-    requests: int
     loads: int
     unloads: int
     load_seconds: float | None  # the last load's
@@ -141,13 +143,12 @@ class ModelPool(Generic[S]):
             loaded = self._loaded.get(spec.id)
             if loaded is not None:
                 status, nbytes = "loaded", loaded.bytes
-                requests = self.loader.requests(loaded.served)
             else:
                 status = "loading" if spec.id in self._loading else "unloaded"
-                nbytes, requests = self.loader.estimate(spec), 0
+                nbytes = self.loader.estimate(spec)
             out.append(
                 ModelState(
-                    spec, status, nbytes, requests, self.loads[spec.id], self.unloads[spec.id],
+                    spec, status, nbytes, self.loads[spec.id], self.unloads[spec.id],
                     self.load_seconds.get(spec.id),
                 )
             )  # fmt: skip
@@ -183,14 +184,14 @@ class ModelPool(Generic[S]):
     async def unload(self, name: str) -> bool:
         """Unload the model now; False if it was not loaded. Refused while it is busy."""
         spec = self.spec(name)
+        if spec.id in self._loading:  # asked before the lock, which its load holds
+            raise ModelBusy(f"The model '{spec.id}' is loading; unload it once it is loaded.")
         async with self._changing:
             loaded = self._loaded.get(spec.id)
             if loaded is None:
                 return False
             if spec.pinned:
                 raise ModelBusy(f"The model '{spec.id}' is pinned: it stays loaded.")
-            if spec.id in self._loading:
-                raise ModelBusy(f"The model '{spec.id}' is loading; unload it once it is loaded.")
             if self._busy(loaded):
                 raise ModelBusy(
                     f"The model '{spec.id}' has requests running; unload it once they end."

@@ -91,12 +91,14 @@ class ModelLoader:
         return self._kinds[spec.id]
 
     def open(self, spec: ModelSpec) -> ServedModel:
+        from mlx_lm.utils import _download
+
         from .app import build_engine
 
         settings = self.settings_of(spec)
-        path = str(model_path(spec, log.info))
-        pooling = self._pooling(spec)
-        # Decided afresh: a hub id's files may have arrived since it was first asked.
+        # A hub id is fetched first: its files say what kind of model it is.
+        path = str(_download(str(model_path(spec, log.info))))
+        pooling = self._pooling(spec, Path(path))
         self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:
             return self._open_embedder(spec, settings, path, pooling)
@@ -141,8 +143,8 @@ class ModelLoader:
         # runs without one (warm prompts) or has not left the batch yet (a cancellation).
         return max(engine.in_flight, engine.running + engine.waiting)
 
-    def _pooling(self, spec: ModelSpec) -> Pooling | None:
-        folder = _local_folder(spec)
+    def _pooling(self, spec: ModelSpec, folder: Path | None = None) -> Pooling | None:
+        folder = folder or _local_folder(spec)
         found = sentence_transformers_pooling(folder) if folder is not None else None
         if not spec.embedding and spec.pooling is None:
             return found
@@ -244,7 +246,8 @@ def weights_on_disk(spec: ModelSpec) -> int:
     """
     folder = _local_folder(spec)
     try:
-        if spec.path is not None and spec.path.endswith(".gguf") and not folder.exists():
+        gguf = spec.path is not None and spec.path.endswith(".gguf")
+        if gguf and (folder is None or not folder.exists()):  # not imported yet, or gone
             return Path(spec.path).expanduser().stat().st_size
         if folder is None:
             return 0

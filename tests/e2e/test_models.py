@@ -361,7 +361,6 @@ def test_a_busy_model_is_not_unloaded_and_one_that_cannot_fit_is_a_503(
         }
     too_small = [ModelSpec("a", str(tiny_model_dir), pinned=True), model_specs[1]]
     with serving_models(too_small, memory_budget=sizes["a"] + sizes["b"] // 2, **SMALL) as live:
-        live.pool.open_now("a")
         c = client(live.url)
         with pytest.raises(openai.APIStatusError) as e:
             c.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}])

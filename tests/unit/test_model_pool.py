@@ -39,6 +39,9 @@ class FakeLoader:
         self.opened.append(spec.id)
         return Fake(spec)
 
+    def kind(self, spec: ModelSpec) -> str:
+        return "chat"
+
     def close(self, served: Fake) -> None:
         if served.requests:
             self.closed_busy.append(served.spec.id)
@@ -279,3 +282,18 @@ def test_a_load_waiting_for_room_lets_a_model_that_fits_load_meanwhile():
 
     run(main())
     assert loader.opened == ["a", "c", "b"] and loader.closed == ["a"]  # c still fits beside b
+
+
+def test_unloading_a_model_that_is_loading_is_refused_at_once():
+    p, loader = pool()
+    loader.gate.clear()
+
+    async def main():
+        loading = asyncio.ensure_future(p.load("b"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ModelBusy, match="loading"):
+            await asyncio.wait_for(p.unload("b"), 1)  # not after the load, which holds the lock
+        loader.gate.set()
+        await loading
+
+    run(main())

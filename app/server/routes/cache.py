@@ -140,13 +140,12 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
     with pool_errors(state.models):
         specs = [state.models.spec(model)] if model is not None else state.models.specs
     loaded = {s.id: state.models.get(s.id) for s in specs}
-    engines = [served.engine for served in loaded.values() if served is not None]
+    engines = [m.engine for m in loaded.values() if m is not None and m.engine is not None]
     not_flushed = []
     if state.settings.cache_dir and not state.settings.no_cache:
         not_flushed = [
             s.id for s in specs if loaded[s.id] is None and state.models.loader.kind(s) == "chat"
         ]
-    engines = [engine for engine in engines if engine is not None]  # embedding models: none
     cleared = 0
     for engine in engines:
         if engine.cache is None:
