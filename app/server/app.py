@@ -34,7 +34,7 @@ from ..settings import Settings
 from . import errors, routes
 from .auth import authorize
 from .connections import HeaderLimit
-from .loader import ModelLoader, ServedModel, serve_engine
+from .loader import CONTEXT_KEYS, ModelLoader, ServedModel, serve_engine
 from .middleware import BodyLimit, RequestCounter
 from .state import ServerState
 
@@ -238,7 +238,7 @@ def weights_dtype(model) -> str:
 
 def context_length_of(model: Any) -> int:
     args = getattr(model, "args", None)
-    for name in ("max_position_embeddings", "max_seq_len", "context_length"):
+    for name in CONTEXT_KEYS:
         value = getattr(args, name, None)
         if isinstance(value, int) and value > 0:
             return value

@@ -26,6 +26,7 @@ from ..serving.responses import ResponsesServing
 from ..settings import Settings, describe_size
 
 log = logging.getLogger("mlx_cache_server")
+CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "context_length")  # configs name it so
 
 
 @dataclass(eq=False)
@@ -144,7 +145,7 @@ class ModelLoader:
         return max(engine.in_flight, engine.running + engine.waiting)
 
     def _pooling(self, spec: ModelSpec, folder: Path | None = None) -> Pooling | None:
-        folder = folder or _local_folder(spec)
+        folder = folder or local_folder(spec)
         found = sentence_transformers_pooling(folder) if folder is not None else None
         if not spec.embedding and spec.pooling is None:
             return found
@@ -224,7 +225,7 @@ def _bidirectional(path: str) -> bool:
     return config.get("is_causal") is False
 
 
-def _local_folder(spec: ModelSpec) -> Path | None:
+def local_folder(spec: ModelSpec) -> Path | None:
     """The model's folder if it is on disk already (a GGUF file's once imported)."""
     from ..models.default_model import default_target, gguf_target
 
@@ -244,7 +245,7 @@ def weights_on_disk(spec: ModelSpec) -> int:
     A GGUF file not imported yet counts its own size (its quantized weights may grow
     on import: the pool corrects the count once the model is loaded).
     """
-    folder = _local_folder(spec)
+    folder = local_folder(spec)
     try:
         gguf = spec.path is not None and spec.path.endswith(".gguf")
         if gguf and (folder is None or not folder.exists()):  # not imported yet, or gone

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from fastapi import APIRouter, Depends
 
-from ...models.default_model import default_target
 from ...models.pool import ModelState
 from ...serving.schemas import ModelCard, ModelList
 from ..auth import Admin, authorize
+from ..loader import CONTEXT_KEYS, local_folder
 from ..state import ServerState, State, pool_errors
 
 router = APIRouter(tags=["models"], dependencies=[Depends(authorize)])
@@ -83,17 +82,10 @@ def _configured_context(state: ServerState, s: ModelState) -> int | None:
     configured = s.spec.settings(state.settings).context_length
     if configured is not None:
         return configured
-    if s.spec.path is None:
-        folder = default_target()
-    elif Path(s.spec.path).expanduser().is_dir():
-        folder = Path(s.spec.path).expanduser()
-    else:
-        return None  # a hub id or a GGUF file: known once loaded
+    folder = local_folder(s.spec)  # a hub id not fetched yet: known once loaded
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text()) if folder else {}
     except (OSError, ValueError):
         return None
-    for key in ("max_position_embeddings", "max_seq_len", "context_length"):
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return config[key]
-    return None
+    values = [config.get(key) for key in CONTEXT_KEYS]
+    return next((v for v in values if isinstance(v, int) and v > 0), None)
