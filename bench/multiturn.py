@@ -198,7 +198,9 @@ def stop(server: Server) -> None:
         server.log.unlink(missing_ok=True)
 
 
-async def send(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> None:
+async def send(
+    client: AsyncOpenAI, model: str, call: Call, max_tokens: int, extra: dict | None = None
+) -> None:
     """One streamed request; a dropped connection is retried (and counted), not fatal.
 
     mlx_lm.server has dropped a connection under concurrent streams: one lost request
@@ -206,7 +208,7 @@ async def send(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> 
     """
     for attempt in range(3):
         try:
-            await _send_once(client, model, call, max_tokens)
+            await _send_once(client, model, call, max_tokens, extra)
             return
         except (APIConnectionError, httpx.TransportError):
             if attempt == 2:
@@ -215,7 +217,9 @@ async def send(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> 
             await asyncio.sleep(1)
 
 
-async def _send_once(client: AsyncOpenAI, model: str, call: Call, max_tokens: int) -> None:
+async def _send_once(
+    client: AsyncOpenAI, model: str, call: Call, max_tokens: int, extra: dict | None
+) -> None:
     call.ttft = 0.0
     t0 = time.perf_counter()
     stream = await client.chat.completions.create(
@@ -225,6 +229,7 @@ async def _send_once(client: AsyncOpenAI, model: str, call: Call, max_tokens: in
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=extra,
     )
     parts = []
     async for chunk in stream:

@@ -33,7 +33,16 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
-from multiturn import RESULTS, Call, free_port, question, running, system_prompt, turn_hits
+from multiturn import (
+    RESULTS,
+    Call,
+    free_port,
+    question,
+    running,
+    send,
+    system_prompt,
+    turn_hits,
+)  # fmt: skip
 from openai import AsyncOpenAI
 
 from app.models.default_model import default_model_dir
@@ -82,29 +91,9 @@ def router(setup: str, ports: list[int], extra: list[str]):
         proc.wait(10)
 
 
-async def send(client: AsyncOpenAI, call: Call, key: str, max_tokens: int) -> None:
-    t0 = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model="bench",
-        messages=call.messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"prompt_cache_key": key},
-    )
-    parts = []
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if not parts:
-                call.ttft = time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            call.prompt_tokens = chunk.usage.prompt_tokens
-            call.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
-            call.completion_tokens = chunk.usage.completion_tokens
-    call.total = time.perf_counter() - t0
-    call.reply = "".join(parts)
+async def send_keyed(client: AsyncOpenAI, call: Call, key: str, max_tokens: int) -> None:
+    """multiturn's streamed request, with the conversation's key; its reply joins its history."""
+    await send(client, "bench", call, max_tokens, {"prompt_cache_key": key})
     call.messages = [*call.messages, {"role": "assistant", "content": call.reply}]
 
 
@@ -122,7 +111,7 @@ async def workload(url: str, convs: int, turns: int, words: int, max_tokens: int
         for conv in order:
             history[conv].append({"role": "user", "content": question(conv, turn)})
             wave.append(Call("2-shared", conv, turn, turn, list(history[conv])))
-        await asyncio.gather(*(send(client, c, f"conv-{c.conv}", max_tokens) for c in wave))
+        await asyncio.gather(*(send_keyed(client, c, f"conv-{c.conv}", max_tokens) for c in wave))
         for c in wave:
             history[c.conv] = list(c.messages)
         calls += wave

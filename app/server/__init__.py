@@ -1,5 +1,5 @@
 """The HTTP server: the FastAPI app, its routes, authentication, errors and connections."""
 
-from .app import build_engine, create_app, model_aliases
+from .app import build_engine, create_app
 
-__all__ = ["build_engine", "create_app", "model_aliases"]
+__all__ = ["build_engine", "create_app"]

@@ -153,22 +153,13 @@ def _serve_docs(app: FastAPI) -> None:
         return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
 
-def model_aliases(model_id: str) -> set[str]:
-    """Names a request may use for the served model."""
-    return {model_id, Path(model_id).name, "default"}
-
-
 def single_model(engine: Engine, settings: Settings, metrics: Metrics) -> ModelPool:
     """A pool of the one engine given, pinned: a test's, or a program's that built its own."""
     spec = ModelSpec(engine.model_id, None, tuple(settings.model_aliases), pinned=True)
-    pool: ModelPool[ServedModel] = ModelPool([spec], ModelLoader(settings, metrics, _names))
-    names = model_aliases(engine.model_id) | set(settings.model_aliases)
-    pool.adopt(spec, serve_engine(spec, engine, settings, metrics, names))
+    loader = ModelLoader(settings, metrics, lambda s: pool.names(s))
+    pool: ModelPool[ServedModel] = ModelPool([spec], loader)
+    pool.adopt(spec, serve_engine(spec, engine, settings, metrics, pool.names(spec)))
     return pool
-
-
-def _names(spec: ModelSpec) -> set[str]:
-    return spec.names()
 
 
 def _sweeping(pool: ModelPool):

@@ -162,9 +162,7 @@ class ModelLoader:
         from .app import context_length_of
 
         model, tokenizer = load(path)
-        if getattr(getattr(model, "args", None), "is_causal", True) is False or _bidirectional(
-            path
-        ):
+        if _bidirectional(path):  # mlx-lm's ModelArgs drop the flag: its config keeps it
             raise ValueError(
                 "it attends both ways (is_causal: false); mlx-lm runs it causally, so its "
                 "vectors would be wrong"

@@ -39,7 +39,9 @@ class ServerState:
         with pool_errors(self.models):  # the block's own errors are never the pool's
             async with self.models.use(name) as served:
                 if (served.engine is None) != (kind == "embedding"):  # its files said otherwise
-                    raise APIError(400, _wrong_kind(spec.id, kind), param="model")
+                    raise APIError(
+                        400, _wrong_kind(spec.id, kind), param="model", code="wrong_model_type"
+                    )
                 yield served
 
 
