@@ -124,10 +124,13 @@ async def tracked(
     try:
         while True:
             try:
-                event = await asyncio.wait_for(anext(events), deadline - time.perf_counter())
+                # Not `wait_for`: on Python 3.11 it drops a cancellation that arrives as
+                # the next event is ready, and a gone client's generation runs to its end.
+                async with asyncio.timeout(deadline - time.perf_counter()):
+                    event = await anext(events)
             except StopAsyncIteration:
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 finished = Failed(
                     f"The request took longer than {timeout:g}s and was stopped.", "timeout"
                 )
