@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from signal import SIGINT, SIGTERM
 from typing import TYPE_CHECKING
@@ -100,6 +101,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--kv-group-size", type=int, help="values per quantization group of --kv-bits (64)"
     )
+    serve.add_argument(
+        "--shard-timeout",
+        type=float,
+        help="under mlx.launch: seconds a step may wait on the other processes before the "
+        "server takes them for dead and stops (60)",
+    )
+    serve.add_argument(
+        "--pipeline",
+        action="store_true",
+        default=None,
+        help="under mlx.launch: split the model's layers over the processes (default: split "
+        "every layer's heads)",
+    )
     serve.add_argument("--log-level", help="debug, info, warning or error")
     serve.add_argument(
         "--api-key",
@@ -183,7 +197,8 @@ def serve(args: argparse.Namespace) -> int:
     from .runtime.memory import limit_buffer_pool, unmap_large_blocks
     from .server.app import create_app
     from .server.connections import uvicorn_config
-    from .server.loader import model_pool
+    from .server.loader import model_path, model_pool
+    from .server.sharded import follow, launched_group, refusal, watch
     from .serving.metrics import Metrics
     from .serving.warm import load_warm_prompts
     from .settings import load_settings
@@ -199,9 +214,22 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"mlx-cache-server: {e}", file=sys.stderr)
         return 2
+    group = launched_group()
+    if group is not None:
+        why = refusal(settings, len(specs))
+        if why is not None:
+            print(f"mlx-cache-server: {why}", file=sys.stderr)
+            return 2
+        specs = [replace(specs[0], pinned=True)]  # every rank holds its shard until the end
+    rank = f"rank {group.rank()} " if group is not None else ""
     logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s",
     )
+    if group is not None and group.rank() != 0:
+        code = follow(specs[0].settings(settings), str(model_path(specs[0], log.info)), group)
+        logging.shutdown()
+        os._exit(code)  # as rank 0 ends: no interpreter teardown (see below)
     warm_items = []
     if settings.warm_prompts and not settings.no_cache:
         try:
@@ -221,7 +249,7 @@ def serve(args: argparse.Namespace) -> int:
             else "off: MLX's own kernels",
         )
     metrics = Metrics()
-    pool = model_pool(settings, specs, metrics)
+    pool = model_pool(settings, specs, metrics, group=group)
     try:
         for spec in [specs[0], *(s for s in specs[1:] if s.pinned)]:
             pool.open_now(spec.id)
@@ -241,6 +269,21 @@ def serve(args: argparse.Namespace) -> int:
     if settings.memory_budget is not None:
         log.info("memory budget for the models: %d MiB", settings.memory_budget >> 20)
     app = create_app(pool, settings=settings, metrics=metrics)
+    failed = threading.Event()
+    engine = None  # sharded: rank 0's engine
+    if group is not None:
+        log.info("rank 0 of %d: serving HTTP", group.size())
+        engine = pool.get(specs[0].id).engine
+
+        def shard_lost(why: str) -> None:  # from the engine's thread, or its watch
+            if not failed.is_set():
+                log.error("stopping: %s", why)
+                failed.set()
+                os.kill(os.getpid(), SIGTERM)  # the server stops as on Ctrl-C; the exit says 1
+
+        engine.on_failure = shard_lost
+        watching = (engine, settings.shard_timeout, shard_lost)
+        threading.Thread(target=watch, args=watching, daemon=True).start()
     if warm_items and pool.get(specs[0].id).engine is None:
         log.warning("--warm-prompts: the first model is an embedding model; nothing to warm")
     elif warm_items:  # behind the server's start: requests queue with them
@@ -257,7 +300,11 @@ def serve(args: argparse.Namespace) -> int:
         config = uvicorn_config(app, settings)
         _graceful_server_class()(config, stop_engines, settings.shutdown_grace).run()
     finally:
-        pool.close()  # each engine stopped, each disk tier's queued writes written
+        if engine is not None and engine.failure is not None:
+            # A rank is gone: freeing MLX's memory would wait on its collectives forever.
+            failed.set()
+        else:
+            pool.close()  # each engine stopped, each disk tier's queued writes written
     log.info("stopped")
     logging.shutdown()
     sys.stdout.flush()
@@ -265,7 +312,7 @@ def serve(args: argparse.Namespace) -> int:
     # Skip interpreter teardown: MLX's stream threads can abort the process while
     # C++ statics are destroyed (seen with mlx 0.32 on Linux), turning a clean stop
     # into a crash status.
-    os._exit(0)
+    os._exit(1 if failed.is_set() else 0)
 
 
 def _start_warming(first: ServedModel, items: list, settings: Settings) -> None:

@@ -58,6 +58,11 @@ class Settings:
     cpu_fast_path: bool = True
     kv_bits: int | None = None  # quantize the KV cache to this many bits; None: as the model
     kv_group_size: int = 64
+    # Under `mlx.launch`: shard the model by layers (pipeline) rather than by heads (tensor).
+    pipeline: bool = False
+    # Seconds a sharded step may wait on the other processes before the server gives up on
+    # them (a process that died mid-step can leave the others waiting forever).
+    shard_timeout: float = 60.0
     max_prefill_wait: float = 10.0  # seconds a prompt may wait while shorter ones go first
     decode_gap: float = 0.8  # seconds a decoding stream should wait at most while prompts prefill
     log_level: str = "info"

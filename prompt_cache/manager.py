@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -151,11 +151,18 @@ class PromptCache:
     """A thread-safe prompt cache shared by all requests, keyed by model and tokens."""
 
     def __init__(
-        self, max_sequences: int = 64, max_bytes: int | None = None, disk: DiskTier | None = None
+        self,
+        max_sequences: int = 64,
+        max_bytes: int | None = None,
+        disk: DiskTier | None = None,
+        measure: Callable[[Any], int] = layers.nbytes,
     ) -> None:
+        """`measure`: the bytes counted for stored arrays, their own by default (a sharded
+        model's ranks count theirs as the rank holding the most would, to evict alike)."""
         if max_sequences < 0 or (max_bytes is not None and max_bytes < 0):
             raise ValueError("cache limits must be >= 0")
         self.disk = disk
+        self.measure = measure
         self.max_sequences = max_sequences
         self.max_bytes = _NO_LIMIT if max_bytes is None else max_bytes
         self._lock = threading.Lock()
@@ -339,7 +346,7 @@ class PromptCache:
             version = tree.version
             self._pin(w.nodes)
         try:
-            prep = _prepare_insert(layout, w, n, cache)
+            prep = _prepare_insert(layout, w, n, cache, self.measure)
         except BaseException:
             with self._lock:
                 self._unpin(tree, w.nodes)
@@ -388,8 +395,8 @@ class PromptCache:
             halves = layers.cut_segment(end.segment, 0, k), layers.cut_segment(end.segment, k)
         head = split(end, k)
         head.segment, end.segment = halves
-        head.segment_nbytes = layers.nbytes(halves[0])
-        end.segment_nbytes = layers.nbytes(halves[1])
+        head.segment_nbytes = self.measure(halves[0])
+        end.segment_nbytes = self.measure(halves[1])
         return head
 
     def _attach_segment(
@@ -402,7 +409,7 @@ class PromptCache:
         seg = prep.segment
         if m > prep.start:  # another insert stored part of it meanwhile
             seg = layers.cut_segment(seg, m - prep.start)
-        need = layers.nbytes(seg)
+        need = self.measure(seg)
         extends = parent.terminal  # the stored sequence becomes a prefix of this one
         if extends:
             self._unmark(tree, parent)
@@ -532,8 +539,8 @@ class PromptCache:
         if part:
             keep = end.size - part
             end.segment = layers.cut_segment(end.segment, 0, keep)
-            self._add_bytes(tree, layers.nbytes(end.segment) - end.segment_nbytes)
-            end.segment_nbytes = layers.nbytes(end.segment)
+            self._add_bytes(tree, self.measure(end.segment) - end.segment_nbytes)
+            end.segment_nbytes = self.measure(end.segment)
             end.edge = end.edge[: keep * TOKEN]
             end.depth -= part
         if end is not node:
@@ -650,11 +657,13 @@ class _Prepared:
     entry_trimmable: bool = False
 
 
-def _prepare_insert(layout: Layout, w: Walk, n: int, cache: list[Any]) -> _Prepared:
+def _prepare_insert(
+    layout: Layout, w: Walk, n: int, cache: list[Any], measure: Callable[[Any], int]
+) -> _Prepared:
     if not layout.sliceable:
         entry = layers.snapshot(cache)
         return _Prepared(
-            entry=entry, entry_nbytes=layers.nbytes(entry), entry_trimmable=layers.can_trim(entry)
+            entry=entry, entry_nbytes=measure(entry), entry_trimmable=layers.can_trim(entry)
         )
     prep = _Prepared(start=w.length)
     if w.length < n:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -112,7 +112,9 @@ def build_tiny_model(
     mx.random.seed(seed)
     special = SPECIAL + (THINK if thinking else [])
     config = {**CONFIG, "vocab_size": len(CHARS) + 1 + len(special), **config}
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # qwen2 for a model mlx-lm can split by layers as well as by heads (`--pipeline`).
+    arch = qwen2 if config["model_type"] == "qwen2" else llama
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     # Larger than default init so logits are far from ties and outputs vary.
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights)

@@ -31,6 +31,7 @@ from .output import next_output
 from .prefill import prefill_alone
 from .request import Request, with_followers
 from .schedule import Waiting, choose
+from .steps import Measured
 from .text import StopMatcher
 
 if TYPE_CHECKING:
@@ -50,7 +51,9 @@ class Batch:
         self.active: dict[int, Request] = {}
         self.queue: list[tuple[Request, float]] = []
         self._replan = False  # new in the queue or newly prefilling: look for shared prefixes
-        self.costs = StepCosts()
+        self.costs = StepCosts()  # what the steps measured (on rank 0, when sharded)
+        self.cost: Measured | None = None  # the last step's, for the next step's inputs
+        self.now = 0.0  # the step's time, from its inputs: the same on every rank
 
     def close(self) -> None:
         self.gen.close()
@@ -65,8 +68,7 @@ class Batch:
     # -------------------------------------------------------------- entering
 
     def intake(self, new: list[Request]) -> None:
-        now = self.engine.clock()
-        self.queue += [(request, now) for request in new]
+        self.queue += [(request, self.now) for request in new]
         self._replan = True
         self._start_queued()
 
@@ -77,7 +79,7 @@ class Batch:
             self._follow_prefilling()
             prefilling = [r.left for r in self.active.values() if r.prefilling]
             line = [Waiting(r, self._uncached(r), t) for r, t in self.queue]
-            chosen = choose(line, prefilling, self.chunk(budget=True), self.engine.clock(),
+            chosen = choose(line, prefilling, self.chunk(budget=True), self.now,
                             self.engine.max_prefill_wait)  # fmt: skip
             if not chosen:
                 return
@@ -227,13 +229,14 @@ class Batch:
         sequence's response holds its whole KV, which, left in a loop variable,
         would stay alive while the next request's own KV is fetched and prefilled.
         """
+        self.cost = None
         self._start_queued()
         if not self.active:
             return
         self.gen.prefill_step_size = self.chunk()
         with self.gen.stats() as stats:  # mlx-lm's own counters, over this step
             prefills, responses = self.gen.next()
-        self.costs.saw_step(stats.wall_time, stats.prompt_tokens, stats.generation_steps > 0)
+        self.cost = Measured(stats.wall_time, stats.prompt_tokens, stats.generation_steps > 0)
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:

@@ -60,6 +60,7 @@ class GrammarProcessor:
     """
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.grammar = grammar  # what a sharded server's other ranks build theirs from
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())

@@ -30,10 +30,15 @@ from .constraint import GrammarTokenizer
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
 from .request import Request, with_followers
 from .solo import Solo
+from .steps import LocalSteps, StepInputs, StepSource
 
 log = logging.getLogger("mlx_cache_server.engine")
 
 SHUTTING_DOWN = "The server is shutting down; retry on another server or later."
+SHARD_LOST = (
+    "A process of this sharded server failed, so the server is stopping; retry once the "
+    "launcher has restarted it."
+)
 
 
 class Engine:
@@ -71,7 +76,8 @@ class Engine:
         # Seconds a prompt may wait while shorter ones go first (`schedule`).
         self.max_prefill_wait = max_prefill_wait
         self.release_after = release_after  # idle seconds before pooled memory goes back
-        self.clock = clock
+        self._inbox: queue.Queue[Request | None] = queue.Queue()  # None: wake up, see `stop`
+        self.local_steps = LocalSteps(self._inbox, clock)
         self.generation_config = generation_config or {}  # the model's sampling values
         self.completion_batch_size = completion_batch_size
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size  # None: full-precision KV
@@ -87,8 +93,13 @@ class Engine:
             "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
         }
         self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
-        self._inbox: queue.Queue[Request | None] = queue.Queue()  # None: wake up, see `stop`
-        self._stopping = threading.Event()
+        # Where the steps' inputs come from: this process, or rank 0 of a sharded server.
+        self.steps: StepSource = self.local_steps
+        self.sharded = False  # a rank of a sharded server: a failed step ends the engine
+        self.failure: str | None = None  # why a sharded engine ended, for /health
+        self.stepping_since: float | None = None  # monotonic start of the step under way
+        self.on_failure: Callable[[str], None] | None = None  # told once the engine ended so
+        self._requeued: list[Request] = []  # engine thread: admitted again at the next step
         self._release_asked = threading.Event()
         self._thread: threading.Thread | None = None
         self._closing = threading.Lock()  # orders a submit against the thread's last take
@@ -98,24 +109,66 @@ class Engine:
         self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)
         self.stats = EngineStats()
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock a step's time is read from (on rank 0, when sharded)."""
+        return self.local_steps.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.local_steps.clock = clock
+
     # ---------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        self._stopping.clear()
+        self.local_steps.stopping.clear()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
         self._thread.start()
 
+    def run(self) -> None:
+        """Run the steps on this thread until the engine stops (a sharded server's other
+        ranks, which do nothing else)."""
+        self._closed = False
+        self._loop()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running or queued fail ("shutting down")."""
-        self._stopping.set()
+        self.local_steps.stopping.set()
         self._inbox.put(None)  # an idle thread waiting for requests sees the stop at once
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None:  # an abandoned one is stuck: no waiting for it
+            self._thread.join(0 if self.failure else timeout)
+            if self.sharded and self._thread.is_alive():  # stuck on a process that is gone
+                self.abandon("the engine did not stop: a process of the sharded model is gone")
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.failure is None and self._thread is not None and self._thread.is_alive()
+
+    def abandon(self, why: str) -> None:
+        """End every request now, from any thread: this sharded engine's thread is stuck
+        in a step waiting on a process that is gone (MLX's ring backend can wait forever
+        when a peer dies in the middle of a forward pass). Nothing is served after."""
+        self.failure = self.failure or why
+        with self._closing:
+            self._closed = True
+        taken = [*self.local_steps.live(), *self.local_steps.leftovers()]
+        self.fail(taken, SHARD_LOST, "shutdown")
+
+    def flush_cache(self) -> int:
+        """Empty the prompt cache, every tenant's namespace; how many namespaces it held.
+
+        Sharded, every rank empties its cache at the same step (the next one)."""
+        if self.cache is None:
+            return 0
+        keys = self.cache.models()
+        if self.sharded:
+            self.local_steps.flush_asked.set()
+            self._inbox.put(None)  # an idle engine steps now
+            return len(keys)
+        for key in keys:
+            self.cache.clear(key)
+        return len(keys)
 
     def release_memory(self) -> None:
         """Hand pooled memory back to the system as soon as the engine is idle."""
@@ -142,7 +195,7 @@ class Engine:
         request = Request(list(tokens), params, emit, self.cache_key(namespace))
         with self._closing:
             if self._closed:  # the thread has taken its last request
-                self.fail([request], SHUTTING_DOWN, "shutdown")
+                self.fail([request], SHARD_LOST if self.failure else SHUTTING_DOWN, "shutdown")
             else:
                 self._inbox.put(request)
         return request
@@ -179,7 +232,7 @@ class Engine:
     # ------------------------------------------------------- engine thread
 
     def requeue(self, request: Request) -> None:
-        self._inbox.put(request)
+        self._requeued.append(request)
 
     def fail(self, requests: list[Request], message: str, reason: str = "error") -> None:
         """End these requests and those waiting on them with `message`, each once."""
@@ -191,18 +244,36 @@ class Engine:
     def _loop(self) -> None:
         batch: Batch | Solo | None = None
         idle_since: float | None = None  # set when the last request ended; None once released
-        while not self._stopping.is_set():
+        inputs: StepInputs | None = None
+        while True:
             new: list[Request] = []
             try:
-                new = self._take(block=batch is None or not batch.busy)
+                busy = bool(self._requeued) or (batch is not None and batch.busy)
+                inputs = self.steps.next(busy)
+                self.stepping_since = time.monotonic()
+                if inputs.stop:
+                    break
+                for request in inputs.cancelled:
+                    request.cancelled = True
+                if inputs.flush and self.cache is not None:
+                    for key in self.cache.models():
+                        self.cache.clear(key)
+                if batch is not None and inputs.measured is not None:
+                    m = inputs.measured
+                    batch.costs.saw_step(m.seconds, m.prompt_tokens, m.decoded)
+                new, self._requeued = [*self._requeued, *inputs.new], []
                 if new:
                     batch = batch or self._new_batch()
+                if batch is not None:
+                    batch.now = inputs.now
+                if new:
                     batch.intake(new)
                 if batch is not None and batch.busy:
                     idle_since = None
                     batch.drop_cancelled()
                     if batch.busy:
                         batch.step()
+                        self.steps.measured(batch.cost)
                     if not batch.busy:  # the last request just left
                         memory.trim_heap()
                         idle_since = self.clock()
@@ -214,12 +285,17 @@ class Engine:
                     self._release_asked.clear()
                     memory.release_memory()
                     idle_since = None
-            except Exception:  # keep serving: fail what was running, start afresh
+            except Exception as e:  # keep serving: fail what was running, start afresh
                 # What a request supplies runs guarded (`request.guarded`), so what lands
                 # here is the batch's own failure. Requests taken but not yet admitted fail
                 # too: nobody is left waiting for an event that will never come.
-                log.exception("generation failed")
                 running = batch.everyone() if batch is not None else []
+                if self.sharded:  # the ranks may no longer agree: nothing can run on
+                    log.exception("a step of the sharded engine failed; it stops")
+                    self.failure = f"a step of the sharded model failed: {e}"
+                    self.fail([*new, *running], SHARD_LOST, "shutdown")
+                    break
+                log.exception("generation failed")
                 self.fail([*new, *running], "Generation failed on the server. Retry.")
                 if batch is not None:
                     with contextlib.suppress(Exception):  # what failed may fail again here
@@ -227,12 +303,20 @@ class Engine:
                 batch = None
                 idle_since = self.clock()  # what the failed batch held can go back too
             finally:
+                self.stepping_since = None
                 self.running = len(batch.active) if batch is not None else 0
                 self.queued = len(batch.queue) if batch is not None else 0
         with self._closing:
             self._closed = True
             running = batch.everyone() if batch is not None else []
-            self.fail([*running, *self._take(block=False)], SHUTTING_DOWN, "shutdown")
+            taken = inputs.new if inputs is not None and inputs.stop else []
+            message = SHARD_LOST if self.failure else SHUTTING_DOWN
+            self.fail([*running, *taken, *self.local_steps.leftovers()], message, "shutdown")
+        if self.failure is not None:
+            # Not a wait on MLX's streams: one may hold a collective that never returns.
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
+            return
         if batch is not None:
             batch.close()
         mx.synchronize()  # finish the cache's asynchronous copies before the thread ends
@@ -241,13 +325,3 @@ class Engine:
         if self.kv_bits is None:
             return Batch(self)
         return Solo(self, self.kv_group_size, self.kv_bits)
-
-    def _take(self, block: bool) -> list[Request]:
-        taken: list[Request | None] = []
-        try:
-            if block:
-                taken.append(self._inbox.get(timeout=0.1))
-            while True:
-                taken.append(self._inbox.get_nowait())
-        except queue.Empty:
-            return [request for request in taken if request is not None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,10 +16,13 @@ from .events import Failed, Finished, SamplingParams
 from .sampling import make_processors, make_sampler
 from .text import StopMatcher
 
+_rids = itertools.count()
+
 
 @dataclass(eq=False)
 class Request:
-    """One generation. `cancel()` is safe from any thread; the rest is the engine thread's.
+    """One generation. `cancel()` is safe from any thread; the rest is the engine thread's,
+    which sets `cancelled` when a step's inputs say so (`steps`).
 
     Invariant: `end` sends the request's last event exactly once, whatever fails
     around it, so no client waits for an event that never comes.
@@ -29,7 +33,9 @@ class Request:
     emit: Callable[[Any], None]
     cache_key: Any = None  # the prompt-cache model key: this model, in this tenant's namespace
     packed: PackedTokens = field(init=False)  # `tokens`, packed once for every lookup and insert
-    cancelled: bool = False
+    rid: int = field(default_factory=lambda: next(_rids))  # the same on every rank
+    cancel_asked: bool = False  # by the client, from any thread
+    cancelled: bool = False  # as the engine's steps see it
     uid: int = -1
     generated: int = 0
     detok: Any = None
@@ -45,7 +51,7 @@ class Request:
         self.packed = PackedTokens.of(self.tokens)
 
     def cancel(self) -> None:
-        self.cancelled = True
+        self.cancel_asked = True
 
     def end(self, event: Finished | Failed) -> None:
         if not self.ended:

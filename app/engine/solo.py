@@ -102,7 +102,9 @@ class Solo:
         self.active: dict[int, Request] = {}
         self.runs: dict[int, _Run] = {}
         self.queue: list[tuple[Request, float]] = []  # unused: prompts wait in `runs`, in order
-        self.costs = StepCosts()
+        self.costs = StepCosts()  # measured here: a sharded server does not run `Solo`
+        self.cost = None
+        self.now = 0.0
         self._uids = itertools.count()
 
     def close(self) -> None:

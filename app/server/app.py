@@ -17,10 +17,11 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from prompt_cache import PromptCache
+from prompt_cache import PromptCache, layers
 from prompt_cache.disk import DiskTier, DiskTierBusy
 
 from ..engine import Engine
+from ..engine.sharded import FollowerSteps, LeaderSteps, rank_bytes
 from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
 from ..models.pool import ModelPool
@@ -36,6 +37,7 @@ from .auth import authorize
 from .connections import HeaderLimit
 from .loader import CONTEXT_KEYS, ModelLoader, ServedModel, serve_engine
 from .middleware import BodyLimit, RequestCounter
+from .sharded import load_shard
 from .state import ServerState
 
 log = logging.getLogger("mlx_cache_server")
@@ -176,10 +178,17 @@ def _sweeping(pool: ModelPool):
     return lifespan
 
 
-def build_engine(settings: Settings, model_path: str) -> Engine:
+def build_engine(
+    settings: Settings, model_path: str, group: mx.distributed.Group | None = None
+) -> Engine:
+    """The engine for the model at `model_path`; with `group`, for this rank's shard of it
+    (`sharded`), its steps decided by rank 0."""
     from mlx_lm import load
 
-    model, tokenizer = load(model_path)
+    if group is None:
+        model, tokenizer = load(model_path)
+    else:
+        model, tokenizer = load_shard(model_path, group, settings.pipeline)
     cpu_attention.enabled = cpu_activations.enabled = settings.cpu_fast_path
     if settings.cpu_fast_path and mx.default_device() == mx.cpu:
         if not cpu_attention.install(model):
@@ -202,8 +211,9 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
                 disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
             except DiskTierBusy as e:  # two servers writing one index would corrupt it
                 log.warning("disk tier off: %s; give each server its own --cache-dir", e)
-        cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk)
-    return Engine(
+        measure = rank_bytes(model, group) if group is not None else layers.nbytes
+        cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk, measure)
+    engine = Engine(
         model,
         tokenizer,
         model_id=model_id,
@@ -218,6 +228,13 @@ def build_engine(settings: Settings, model_path: str) -> Engine:
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
     )
+    if group is not None:
+        engine.sharded = True
+        if group.rank() == 0:
+            engine.steps = LeaderSteps(engine.local_steps, group, cache)
+        else:
+            engine.steps = FollowerSteps(group, cache, engine.grammars)
+    return engine
 
 
 def weights_dtype(model) -> str:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ..engine import Engine
 from ..models.embedding import Embedder, Pooling, sentence_transformers_pooling
@@ -68,9 +69,14 @@ class ModelLoader:
     memory."""
 
     def __init__(
-        self, settings: Settings, metrics: Metrics, names: Callable[[ModelSpec], set[str]]
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        names: Callable[[ModelSpec], set[str]],
+        group: Any = None,
     ) -> None:
-        self.settings, self.metrics, self.names = settings, metrics, names
+        """`group`: the processes of a sharded server (`sharded`), this one rank 0."""
+        self.settings, self.metrics, self.names, self.group = settings, metrics, names, group
         self._kinds: dict[str, str] = {}
 
     def settings_of(self, spec: ModelSpec) -> Settings:
@@ -103,7 +109,7 @@ class ModelLoader:
         self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:
             return self._open_embedder(spec, settings, path, pooling)
-        engine = build_engine(settings, path)
+        engine = build_engine(settings, path, self.group)
         served = serve_engine(spec, engine, settings, self.metrics, self.names(spec))
         _describe(served, path)
         engine.start()
@@ -190,9 +196,10 @@ def model_pool(
     specs: list[ModelSpec],
     metrics: Metrics,
     clock: Callable[[], float] = time.monotonic,
+    group: Any = None,
 ) -> ModelPool[ServedModel]:
     """The pool of the configured models, loaded by `ModelLoader`, none loaded yet."""
-    loader = ModelLoader(settings, metrics, lambda spec: pool.names(spec))
+    loader = ModelLoader(settings, metrics, lambda spec: pool.names(spec), group)
     pool = ModelPool(
         specs,
         loader,

@@ -150,9 +150,6 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
     for engine in engines:
         if engine.cache is None:
             continue
-        keys = engine.cache.models()  # every tenant's namespace of the model
-        for key in keys:
-            engine.cache.clear(key)
-        cleared += len(keys)
+        cleared += engine.flush_cache()  # every tenant's namespace of the model
         engine.release_memory()  # what the flush freed goes back now, not at the next pause
     return Cleared(cleared=cleared, not_flushed=not_flushed)
