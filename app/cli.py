@@ -227,7 +227,10 @@ def serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s",
     )
     if group is not None and group.rank() != 0:
-        code = follow(specs[0].settings(settings), str(model_path(specs[0], log.info)), group)
+        from mlx_lm.utils import _download
+
+        path = str(_download(str(model_path(specs[0], log.info))))  # a hub id, as rank 0's
+        code = follow(specs[0].settings(settings), path, group)
         logging.shutdown()
         os._exit(code)  # as rank 0 ends: no interpreter teardown (see below)
     warm_items = []
@@ -282,6 +285,8 @@ def serve(args: argparse.Namespace) -> int:
                 os.kill(os.getpid(), SIGTERM)  # the server stops as on Ctrl-C; the exit says 1
 
         engine.on_failure = shard_lost
+        if engine.failure is not None:  # it failed before it could say so
+            shard_lost(engine.failure)
         watching = (engine, settings.shard_timeout, shard_lost)
         threading.Thread(target=watch, args=watching, daemon=True).start()
     if warm_items and pool.get(specs[0].id).engine is None:
@@ -300,11 +305,12 @@ def serve(args: argparse.Namespace) -> int:
         config = uvicorn_config(app, settings)
         _graceful_server_class()(config, stop_engines, settings.shutdown_grace).run()
     finally:
-        if engine is not None and engine.failure is not None:
-            # A rank is gone: freeing MLX's memory would wait on its collectives forever.
-            failed.set()
-        else:
+        if engine is None or engine.failure is None:
             pool.close()  # each engine stopped, each disk tier's queued writes written
+        # Not closed after a failure: freeing MLX's memory would wait on the collectives of
+        # a rank that is gone, forever. A failure found while closing counts too.
+        if engine is not None and engine.failure is not None:
+            failed.set()
     log.info("stopped")
     logging.shutdown()
     sys.stdout.flush()

@@ -142,6 +142,8 @@ class Batch:
         try:
             self._start(request, alone)
         except Exception:  # this request fails; the batch runs on
+            if self.engine.sharded:  # on this rank alone, maybe: the ranks would part ways
+                raise
             log.exception("admitting a request failed")
             followers, request.followers = request.followers, []
             self.engine.fail([request], "Generation failed on the server. Retry.")

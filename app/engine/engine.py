@@ -153,7 +153,7 @@ class Engine:
         with self._closing:
             self._closed = True
         taken = [*self.local_steps.live(), *self.local_steps.leftovers()]
-        self.fail(taken, SHARD_LOST, "shutdown")
+        self.fail([*taken, *self._requeued], SHARD_LOST, "shutdown")
 
     def flush_cache(self) -> int:
         """Empty the prompt cache, every tenant's namespace; how many namespaces it held.
@@ -249,8 +249,9 @@ class Engine:
             new: list[Request] = []
             try:
                 busy = bool(self._requeued) or (batch is not None and batch.busy)
-                inputs = self.steps.next(busy)
+                # From here: rank 0's handover waits on the last step's forward pass.
                 self.stepping_since = time.monotonic()
+                inputs = self.steps.next(busy)
                 if inputs.stop:
                     break
                 for request in inputs.cancelled:
@@ -258,6 +259,8 @@ class Engine:
                 if inputs.flush and self.cache is not None:
                     for key in self.cache.models():
                         self.cache.clear(key)
+                if inputs.release:
+                    memory.release_memory()
                 if batch is not None and inputs.measured is not None:
                     m = inputs.measured
                     batch.costs.saw_step(m.seconds, m.prompt_tokens, m.decoded)
@@ -283,7 +286,10 @@ class Engine:
                     # Only after a pause: back-to-back turns would each pay to fault
                     # freshly allocated buffers back in.
                     self._release_asked.clear()
-                    memory.release_memory()
+                    if self.sharded:  # every rank at the next step, which this asks for
+                        self.local_steps.release_asked.set()
+                    else:
+                        memory.release_memory()
                     idle_since = None
             except Exception as e:  # keep serving: fail what was running, start afresh
                 # What a request supplies runs guarded (`request.guarded`), so what lands
@@ -311,7 +317,9 @@ class Engine:
             running = batch.everyone() if batch is not None else []
             taken = inputs.new if inputs is not None and inputs.stop else []
             message = SHARD_LOST if self.failure else SHUTTING_DOWN
-            self.fail([*running, *taken, *self.local_steps.leftovers()], message, "shutdown")
+            # `live`: also those taken in a step whose handover to the other ranks failed.
+            every = [*running, *taken, *self._requeued, *self.local_steps.live()]
+            self.fail([*every, *self.local_steps.leftovers()], message, "shutdown")
         if self.failure is not None:
             # Not a wait on MLX's streams: one may hold a collective that never returns.
             if self.on_failure is not None:

@@ -114,7 +114,7 @@ class FollowerSteps:
         for rid in [rid for rid, r in self._live.items() if r.ended]:
             del self._live[rid]
         measured = Measured(*h["measured"]) if h["measured"] is not None else None
-        return StepInputs(h["now"], new, cancelled, measured, h["flush"], h["stop"])
+        return StepInputs(h["now"], new, cancelled, measured, h["flush"], h["release"], h["stop"])
 
     def measured(self, cost: Measured | None) -> None:
         pass  # rank 0's measurements size every rank's chunks
@@ -134,6 +134,7 @@ def _handover(inputs: StepInputs, digest: tuple[int, ...]) -> dict[str, Any]:
         "cancelled": [r.rid for r in inputs.cancelled],
         "measured": (m.seconds, m.prompt_tokens, m.decoded) if m is not None else None,
         "flush": inputs.flush,
+        "release": inputs.release,
         "stop": inputs.stop,
         "digest": digest,
     }
@@ -164,9 +165,18 @@ def rank_bytes(model: Any, group: mx.distributed.Group) -> Callable[[Any], int]:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]]), cache=cache))
     own = layers.nbytes([c.state for c in cache])
+    # Scaled, a shard's bytes stay in step with another's only if both grow alike with
+    # the tokens: not so for layers of several kinds (sliding windows, recurrent state).
+    mixed = len({type(c) for c in cache}) > 1
     sizes = [own if rank == group.rank() else 0 for rank in range(group.size())]
-    sizes = mx.distributed.all_sum(mx.array(sizes, mx.int32), group=group, stream=mx.cpu)
-    largest = int(sizes.max().item())
+    sizes = mx.distributed.all_sum(mx.array([*sizes, mixed], mx.int32), group=group,
+                                   stream=mx.cpu).tolist()  # fmt: skip
+    largest = max(sizes[:-1])
+    if sizes[-1] and min(sizes[:-1]) != largest:  # decided alike on every rank
+        raise ValueError(
+            "this model's layers are of several kinds, so its ranks' shards of the KV do not "
+            "grow alike: serve it split by heads (without --pipeline)"
+        )
     if own == largest:
         return layers.nbytes
     return lambda tree: layers.nbytes(tree) * largest // own

@@ -43,12 +43,15 @@ class StepInputs:
     cancelled: list[Request] = field(default_factory=list)
     measured: Measured | None = None  # the previous step's
     flush: bool = False  # empty the prompt cache before this step
+    release: bool = False  # hand pooled memory back to the system (an idle pause)
     stop: bool = False  # the engine is stopping: this step is not run
 
     @property
     def empty(self) -> bool:
         """Nothing for the engine to act on (nor for another rank to be told)."""
-        return not (self.new or self.cancelled or self.measured or self.flush or self.stop)
+        return not (
+            self.new or self.cancelled or self.measured or self.flush or self.release or self.stop
+        )
 
 
 class StepSource(Protocol):
@@ -69,6 +72,7 @@ class LocalSteps:
         self.inbox, self.clock = inbox, clock
         self.stopping = threading.Event()
         self.flush_asked = threading.Event()
+        self.release_asked = threading.Event()  # sharded: every rank releases at one step
         self._live: dict[int, Request] = {}  # taken and not ended: whose cancellation to watch
         self._cost: Measured | None = None
 
@@ -78,12 +82,10 @@ class LocalSteps:
         for rid in [rid for rid, r in self._live.items() if r.ended]:
             del self._live[rid]
         cancelled = [r for r in self._live.values() if r.cancel_asked and not r.cancelled]
-        flush = self.flush_asked.is_set()
-        self.flush_asked.clear()
+        flush, release = _take_flag(self.flush_asked), _take_flag(self.release_asked)
         measured, self._cost = self._cost, None
-        return StepInputs(
-            self.clock(), new, cancelled, measured, flush, stop=self.stopping.is_set()
-        )
+        stop = self.stopping.is_set()
+        return StepInputs(self.clock(), new, cancelled, measured, flush, release, stop)
 
     def measured(self, cost: Measured | None) -> None:
         self._cost = cost
@@ -105,3 +107,11 @@ class LocalSteps:
                 taken.append(self.inbox.get_nowait())
         except queue.Empty:
             return [request for request in taken if request is not None]
+
+
+def _take_flag(flag: threading.Event) -> bool:
+    """Whether `flag` was set; cleared only then, so a setting that lands meanwhile stays."""
+    if not flag.is_set():
+        return False
+    flag.clear()
+    return True

@@ -9,8 +9,10 @@ a quantized KV cache run outside the batch) is refused at start.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +58,7 @@ def load_shard(path: str, group: mx.distributed.Group, pipeline: bool) -> tuple[
     else:
         if not hasattr(model, "shard"):
             raise ValueError(f"mlx-lm cannot split {config.get('model_type')} models by heads")
+        check_heads(config, group.size())
         model.shard(group)
     mx.eval(model.parameters())
     tokenizer = load_tokenizer(Path(path), eos_token_ids=config.get("eos_token_id"))
@@ -63,11 +66,34 @@ def load_shard(path: str, group: mx.distributed.Group, pipeline: bool) -> tuple[
     return model, tokenizer
 
 
+def check_heads(config: dict[str, Any], processes: int) -> None:
+    """mlx-lm splits every layer's heads evenly, and gives a wrong model when they do not
+    divide: refuse that with what to do instead."""
+    text = config.get("text_config", config)
+    for key, what in (("num_attention_heads", "attention"), ("num_key_value_heads", "KV")):
+        heads = text.get(key)
+        if isinstance(heads, int) and heads % processes:
+            raise ValueError(
+                f"the model's {heads} {what} heads per layer do not split over {processes} "
+                "processes: launch a number of them that divides it, or split by layers "
+                "(--pipeline) if mlx-lm can for this model"
+            )
+
+
 def follow(settings: Settings, path: str, group: mx.distributed.Group) -> int:
     """A rank other than 0: run the steps rank 0 hands over until it stops; the exit status."""
     from .app import build_engine
 
-    engine = build_engine(settings, path, group)
+    # Ctrl-C on the launcher reaches every rank: rank 0 drains its requests, then tells
+    # this one to stop; stopping here first would fail them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = build_engine(settings, path, group)
+    except ValueError as e:  # rank 0 says the same, and stops too
+        log.error("%s", e)
+        return 2
+    with contextlib.suppress(ValueError):  # built now, not in a step rank 0 waits on
+        engine.grammars.get()
     log.info("rank %d of %d (pid %d): following rank 0", group.rank(), group.size(), os.getpid())
     engine.run()  # here, on the main thread: this rank has nothing else to do
     if engine.failure is not None:

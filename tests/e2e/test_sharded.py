@@ -187,3 +187,58 @@ def test_a_rank_killed_mid_request_ends_in_errors_not_a_hang(models, tmp_path):
                 assert time.monotonic() - started < 60, "still streaming after the rank died"
         proc.wait(60)  # every process ended (mlx.launch itself exits 0 whatever they did)
         assert "rank 0 ERROR mlx_cache_server: stopping" in log.read_text()
+
+
+def test_heads_that_do_not_split_over_the_processes_stop_the_start(tmp_path):
+    model = build_tiny_model(tmp_path / "one-kv-head", num_key_value_heads=1)
+    command = [
+        str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+        "--python", sys.executable, "--", "-m", "app", "serve", "--model", str(model),
+        "--port", str(free_port()),
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert "1 KV heads per layer do not split over 2 processes" in out.stdout + out.stderr
+
+
+def test_a_request_after_a_rank_died_while_idle_gets_an_error(models, tmp_path):
+    """Rank 0 hands nothing over while idle: the first request after a peer died is the one
+    that finds out, and must end in an error, not wait. The ranks are started by hand, as
+    `mlx.launch` would, but without it: it would stop rank 0 itself as soon as rank 1 died."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    port = free_port()
+    command = [sys.executable, "-m", "app", "serve", "--model", str(models["tensor"]),
+               "--port", str(port), "--served-model-name", "tiny"]  # fmt: skip
+    ranks = [
+        subprocess.Popen(
+            command,
+            env=dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile)),
+            stdout=(tmp_path / f"rank{rank}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for rank in (0, 1)
+    ]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert ranks[0].poll() is None, (tmp_path / "rank0.log").read_text()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+            assert time.monotonic() < deadline
+        ranks[1].kill()
+        ranks[1].wait()
+        with pytest.raises(openai.APIStatusError, match="sharded server failed") as failed:
+            client(url).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hello?"}], max_tokens=4
+            )
+        assert failed.value.status_code == 503
+        assert ranks[0].wait(60) == 1  # it stopped by itself, saying it failed
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()

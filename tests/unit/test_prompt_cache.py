@@ -138,6 +138,21 @@ def test_byte_budget_holds_and_shared_prefix_survives_leaf_eviction():
     assert found.n_cached == len(SYSTEM)
 
 
+def test_bytes_are_counted_by_the_caches_measure_and_evicted_by_it():
+    """A sharded model's rank counts its KV as the largest rank's would be (`measure`)."""
+    from prompt_cache import layers
+
+    budget = (len(SYSTEM) + 3 * 20) * BYTES_PER_TOKEN * 2
+    twice = lambda tree: 2 * layers.nbytes(tree)  # noqa: E731
+    double = PromptCache(max_sequences=100, max_bytes=budget, measure=twice)
+    convs = [SYSTEM + [1000 + i] * 20 for i in range(6)]
+    for conv in convs:
+        assert double.insert("m", conv, kv_cache(conv))
+        assert double.nbytes <= budget
+    assert len(double) == 3  # as many as half the budget holds at the arrays' own bytes
+    assert double.nbytes == (len(SYSTEM) + 3 * 20) * BYTES_PER_TOKEN * 2
+
+
 def test_short_of_bytes_the_oldest_sequence_loses_only_its_end():
     a, b = SYSTEM[:40] + [1] * 20, SYSTEM[:40] + [2] * 20
     cache = PromptCache(max_bytes=(40 + 20 + 20) * BYTES_PER_TOKEN)

@@ -3,6 +3,7 @@ sharded server (`LeaderSteps`, `FollowerSteps`) over a fake wire instead of `mx.
 
 from __future__ import annotations
 
+import pickle
 import queue
 from dataclasses import replace
 
@@ -65,9 +66,9 @@ class Wire:
 
     def broadcast(self, group, obj):
         if obj is not None:
-            self.sent.append(obj)
+            self.sent.append(pickle.dumps(obj))  # as `sharded.broadcast` sends it
             return obj
-        return self.sent.pop(0)
+        return pickle.loads(self.sent.pop(0))
 
 
 class Group:
@@ -123,6 +124,17 @@ def test_an_idle_leader_with_nothing_new_sends_nothing(wire):
     steps, _, _ = local()
     steps.inbox.put(None)  # a wake-up, no request
     LeaderSteps(steps, Group(0), cache=None).next(busy=False)
+    assert wire.sent == []
+
+
+def test_a_busy_leader_sends_every_step_even_with_nothing_new(wire):
+    """The others run a step only when told: each step of a running batch is sent."""
+    steps, _, _ = local()
+    leader = LeaderSteps(steps, Group(0), cache=None)
+    follower = FollowerSteps(Group(1), cache=None, grammars=None)
+    for _ in range(3):
+        leader.next(busy=True)
+        assert follower.next(busy=True).empty
     assert wire.sent == []
 
 
