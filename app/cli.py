@@ -272,6 +272,17 @@ def serve(args: argparse.Namespace) -> int:
     if settings.memory_budget is not None:
         log.info("memory budget for the models: %d MiB", settings.memory_budget >> 20)
     app = create_app(pool, settings=settings, metrics=metrics)
+
+    def stop_engines() -> None:
+        for loaded in pool.loaded():
+            if loaded.served.engine is not None:
+                loaded.served.engine.stop()
+
+    # On SIGTERM uvicorn stops accepting, gives running requests the grace period, then
+    # cancels them (which cancels their generations); the engines stop after.
+    server = _graceful_server_class()(
+        uvicorn_config(app, settings), stop_engines, settings.shutdown_grace
+    )
     failed = threading.Event()
     engine = None  # sharded: rank 0's engine
     if group is not None:
@@ -282,7 +293,7 @@ def serve(args: argparse.Namespace) -> int:
             if not failed.is_set():
                 log.error("stopping: %s", why)
                 failed.set()
-                os.kill(os.getpid(), SIGTERM)  # the server stops as on Ctrl-C; the exit says 1
+                server.should_exit = True  # stops as on Ctrl-C, even before it runs; exit 1
 
         engine.on_failure = shard_lost
         if engine.failure is not None:  # it failed before it could say so
@@ -294,16 +305,8 @@ def serve(args: argparse.Namespace) -> int:
     elif warm_items:  # behind the server's start: requests queue with them
         _start_warming(pool.get(specs[0].id), warm_items, settings)
 
-    def stop_engines() -> None:
-        for loaded in pool.loaded():
-            if loaded.served.engine is not None:
-                loaded.served.engine.stop()
-
     try:
-        # On SIGTERM uvicorn stops accepting, gives running requests the grace period,
-        # then cancels them (which cancels their generations); the engines stop after.
-        config = uvicorn_config(app, settings)
-        _graceful_server_class()(config, stop_engines, settings.shutdown_grace).run()
+        server.run()
     finally:
         if engine is None or engine.failure is None:
             pool.close()  # each engine stopped, each disk tier's queued writes written

@@ -141,9 +141,8 @@ class Batch:
     def _admit(self, request: Request, alone: bool) -> None:
         try:
             self._start(request, alone)
-        except Exception:  # this request fails; the batch runs on
-            if self.engine.sharded:  # on this rank alone, maybe: the ranks would part ways
-                raise
+        except Exception:  # this request fails; the batch runs on (sharded: on every rank
+            # alike, or the next step's handover finds the ranks apart: `step_digest`)
             log.exception("admitting a request failed")
             followers, request.followers = request.followers, []
             self.engine.fail([request], "Generation failed on the server. Retry.")

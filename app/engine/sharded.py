@@ -35,12 +35,13 @@ from mlx_lm.generate import generation_stream
 from prompt_cache import PromptCache
 
 from .constraint import GrammarTokenizer, build_constraint
+from .events import EngineStats
 from .request import Request
 from .steps import LocalSteps, Measured, StepInputs
 
 
 class Diverged(RuntimeError):
-    """A follower's prompt cache no longer matches rank 0's."""
+    """A follower's engine or prompt cache no longer matches rank 0's."""
 
 
 def broadcast(group: mx.distributed.Group, obj: Any) -> Any:
@@ -62,20 +63,29 @@ def broadcast(group: mx.distributed.Group, obj: Any) -> Any:
     return pickle.loads(data)
 
 
-def cache_digest(cache: PromptCache | None) -> tuple[int, ...]:
-    """What every rank's cache must agree on after each step."""
+def step_digest(cache: PromptCache | None, stats: EngineStats | None) -> tuple[int, ...]:
+    """What every rank must agree on after each step: its cache's counters, and how many
+    requests it admitted and failed (a failure of one rank's own, say out of memory,
+    parts it from the others; a request that fails alike on every rank does not)."""
+    digest = (stats.admitted, stats.failed) if stats is not None else ()
     if cache is None:
-        return ()
+        return digest
     s = cache.stats()
-    return (len(cache), cache.nbytes, s.inserts, s.rejected, s.evictions, s.shortened,
-            s.tokens_reused)  # fmt: skip
+    return (*digest, len(cache), cache.nbytes, s.inserts, s.rejected, s.evictions,
+            s.shortened, s.tokens_reused)  # fmt: skip
 
 
 class LeaderSteps:
     """Rank 0: its own inputs, handed to every other rank before it runs them."""
 
-    def __init__(self, local: LocalSteps, group: mx.distributed.Group, cache: PromptCache | None):
-        self.local, self.group, self.cache = local, group, cache
+    def __init__(
+        self,
+        local: LocalSteps,
+        group: mx.distributed.Group,
+        cache: PromptCache | None,
+        stats: EngineStats | None = None,
+    ) -> None:
+        self.local, self.group, self.cache, self.stats = local, group, cache, stats
         self._seeds = random.SystemRandom()
 
     def next(self, busy: bool) -> StepInputs:
@@ -85,7 +95,7 @@ class LeaderSteps:
         for request in inputs.new:
             if request.params.seed is None:  # one draw, the same on every rank
                 request.params = replace(request.params, seed=self._seeds.getrandbits(63))
-        broadcast(self.group, _handover(inputs, cache_digest(self.cache)))
+        broadcast(self.group, _handover(inputs, step_digest(self.cache, self.stats)))
         return inputs
 
     def measured(self, cost: Measured | None) -> None:
@@ -96,18 +106,21 @@ class FollowerSteps:
     """Any other rank: the inputs rank 0 hands over, its requests rebuilt here."""
 
     def __init__(
-        self, group: mx.distributed.Group, cache: PromptCache | None, grammars: GrammarTokenizer
+        self,
+        group: mx.distributed.Group,
+        cache: PromptCache | None,
+        grammars: GrammarTokenizer,
+        stats: EngineStats | None = None,
     ) -> None:
-        self.group, self.cache, self.grammars = group, cache, grammars
+        self.group, self.cache, self.grammars, self.stats = group, cache, grammars, stats
         self._live: dict[int, Request] = {}
 
     def next(self, busy: bool) -> StepInputs:
         h = broadcast(self.group, None)
-        if h["digest"] != cache_digest(self.cache):
-            raise Diverged(
-                f"this rank's prompt cache {cache_digest(self.cache)} no longer matches "
-                f"rank 0's {h['digest']}"
-            )
+        own = step_digest(self.cache, self.stats)
+        if h["digest"] != own:
+            raise Diverged(f"this rank's engine and cache {own} no longer match rank 0's "
+                           f"{h['digest']}")  # fmt: skip
         new = [self._request(*item) for item in h["new"]]
         self._live.update((r.rid, r) for r in new)
         cancelled = [self._live[rid] for rid in h["cancelled"] if rid in self._live]
@@ -150,7 +163,7 @@ def _nobody(event: Any) -> None:
     """A follower's requests have no client: rank 0 answers them."""
 
 
-def rank_bytes(model: Any, group: mx.distributed.Group) -> Callable[[Any], int]:
+def rank_bytes(model: Any, group: mx.distributed.Group, pipeline: bool) -> Callable[[Any], int]:
     """How a rank's cache counts stored arrays: as the rank whose shard of the KV is
     largest would hold them. Every rank then counts the same bytes for the same tokens
     (so all evict alike), and no rank holds more than its budget.
@@ -158,24 +171,25 @@ def rank_bytes(model: Any, group: mx.distributed.Group) -> Callable[[Any], int]:
     Measured with one token through a fresh cache: a forward pass, so every rank
     calls this together.
     """
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     from prompt_cache import layers
 
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]]), cache=cache))
     own = layers.nbytes([c.state for c in cache])
-    # Scaled, a shard's bytes stay in step with another's only if both grow alike with
-    # the tokens: not so for layers of several kinds (sliding windows, recurrent state).
-    mixed = len({type(c) for c in cache}) > 1
+    # Split by layers, ranks hold different layers, whose bytes grow alike with the tokens
+    # only if every one keeps plain KV (not a sliding window, not a recurrent state).
+    other = any(type(c) is not KVCache for c in cache)
     sizes = [own if rank == group.rank() else 0 for rank in range(group.size())]
-    sizes = mx.distributed.all_sum(mx.array([*sizes, mixed], mx.int32), group=group,
+    sizes = mx.distributed.all_sum(mx.array([*sizes, other], mx.int32), group=group,
                                    stream=mx.cpu).tolist()  # fmt: skip
     largest = max(sizes[:-1])
-    if sizes[-1] and min(sizes[:-1]) != largest:  # decided alike on every rank
+    if pipeline and sizes[-1]:  # decided alike on every rank: the sum is everyone's
         raise ValueError(
-            "this model's layers are of several kinds, so its ranks' shards of the KV do not "
-            "grow alike: serve it split by heads (without --pipeline)"
+            "this model's layers keep more than plain KV (sliding windows or recurrent "
+            "state), so split by layers its ranks would count their caches apart: serve it "
+            "split by heads (without --pipeline)"
         )
     if own == largest:
         return layers.nbytes

@@ -211,7 +211,9 @@ def build_engine(
                 disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
             except DiskTierBusy as e:  # two servers writing one index would corrupt it
                 log.warning("disk tier off: %s; give each server its own --cache-dir", e)
-        measure = rank_bytes(model, group) if group is not None else layers.nbytes
+        measure = layers.nbytes
+        if group is not None:
+            measure = rank_bytes(model, group, settings.pipeline)
         cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk, measure)
     engine = Engine(
         model,
@@ -231,9 +233,9 @@ def build_engine(
     if group is not None:
         engine.sharded = True
         if group.rank() == 0:
-            engine.steps = LeaderSteps(engine.local_steps, group, cache)
+            engine.steps = LeaderSteps(engine.local_steps, group, cache, engine.stats)
         else:
-            engine.steps = FollowerSteps(group, cache, engine.grammars)
+            engine.steps = FollowerSteps(group, cache, engine.grammars, engine.stats)
     return engine
 
 

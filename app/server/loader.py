@@ -78,6 +78,7 @@ class ModelLoader:
         """`group`: the processes of a sharded server (`sharded`), this one rank 0."""
         self.settings, self.metrics, self.names, self.group = settings, metrics, names, group
         self._kinds: dict[str, str] = {}
+        self._stuck = False
 
     def settings_of(self, spec: ModelSpec) -> Settings:
         settings = spec.settings(self.settings)
@@ -124,10 +125,14 @@ class ModelLoader:
         engine.stop()
         if engine.alive:  # its thread is stuck in a step: its memory is not free either
             log.error("model %s: its engine did not stop within 10 s", engine.model_id)
+        if engine.failure is not None:  # a sharded step stuck on a process that is gone:
+            self._stuck = True  # freeing MLX's memory would wait on it forever
         if engine.cache is not None and engine.cache.disk is not None:
             engine.cache.disk.close(served.settings.shutdown_grace)  # what is queued, written
 
     def reclaim(self) -> None:
+        if self._stuck:
+            return
         gc.collect()  # a model's arrays are in reference cycles: collected, they are freed
         memory.release_memory()  # and MLX's pool and the heap give their pages back
 

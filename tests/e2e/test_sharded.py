@@ -196,8 +196,15 @@ def test_heads_that_do_not_split_over_the_processes_stop_the_start(tmp_path):
         "--python", sys.executable, "--", "-m", "app", "serve", "--model", str(model),
         "--port", str(free_port()),
     ]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert "1 KV heads per layer do not split over 2 processes" in out.stdout + out.stderr
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a regression that hangs leaves no rank behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "1 KV heads per layer do not split over 2 processes" in out
 
 
 def test_a_request_after_a_rank_died_while_idle_gets_an_error(models, tmp_path):
@@ -227,15 +234,20 @@ def test_a_request_after_a_rank_died_while_idle_gets_an_error(models, tmp_path):
                 if httpx.get(url + "/health").status_code == 200:
                     break
             except httpx.TransportError:
-                time.sleep(0.2)
+                pass
             assert time.monotonic() < deadline
+            time.sleep(0.2)
         ranks[1].kill()
         ranks[1].wait()
+        started = time.monotonic()
         with pytest.raises(openai.APIStatusError, match="sharded server failed") as failed:
             client(url).chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "Hello?"}], max_tokens=4
             )
         assert failed.value.status_code == 503
+        # Told by the failed handover itself (about a second), not by a timeout: the request
+        # timeout is 600 s, the shutdown grace 30 s, the shard timeout 60 s.
+        assert time.monotonic() - started < 20
         assert ranks[0].wait(60) == 1  # it stopped by itself, saying it failed
     finally:
         for rank in ranks:

@@ -138,12 +138,37 @@ def test_a_busy_leader_sends_every_step_even_with_nothing_new(wire):
     assert wire.sent == []
 
 
+def test_an_idle_release_reaches_every_rank_once(wire):
+    steps, _, _ = local()
+    leader = LeaderSteps(steps, Group(0), cache=None)
+    follower = FollowerSteps(Group(1), cache=None, grammars=None)
+    steps.release_asked.set()  # the engine's pause
+    assert leader.next(busy=False).release
+    assert follower.next(busy=False).release
+    leader.next(busy=False)
+    assert wire.sent == []  # once: nothing more is sent while idle
+
+
 def test_a_follower_whose_cache_differs_from_the_leaders_stops(wire, monkeypatch):
     steps, inbox, _ = local()
     leader = LeaderSteps(steps, Group(0), cache=None)
     follower = FollowerSteps(Group(1), cache=None, grammars=None)
     inbox.put(request())
     leader.next(busy=False)
-    monkeypatch.setattr(sharded, "cache_digest", lambda cache: (1, 2, 3))
+    monkeypatch.setattr(sharded, "step_digest", lambda cache, stats: (1, 2, 3))
+    with pytest.raises(Diverged):
+        follower.next(busy=False)
+
+
+def test_a_follower_that_failed_a_request_the_leader_ran_stops(wire):
+    """A failure of one rank's own (out of memory, say) parts it from the others."""
+    from app.engine import EngineStats
+
+    steps, inbox, _ = local()
+    leader = LeaderSteps(steps, Group(0), cache=None, stats=EngineStats(admitted=1))
+    follower = FollowerSteps(Group(1), cache=None, grammars=None,
+                             stats=EngineStats(admitted=1, failed=1))  # fmt: skip
+    inbox.put(request())
+    leader.next(busy=False)
     with pytest.raises(Diverged):
         follower.next(busy=False)
