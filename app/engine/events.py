@@ -6,6 +6,7 @@ and exactly one of `Finished` or `Failed` to end it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ class TokenLogprob(Candidate):
 class Started:
     prompt_tokens: int
     cached_tokens: int
+    # When the engine admitted the request (`time.perf_counter`): what it waited before, what
+    # its first token took after, in the request log.
+    admitted_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass

@@ -178,6 +178,8 @@ def _record(ctx, metrics, t0, first, started, finished) -> None:
                 "prompt_tokens": prompt,
                 "cached_tokens": cached,
                 "completion_tokens": completion,
+                # From the engine's intake: waiting to be admitted, then to the first token.
+                "queued_ms": round((started.admitted_at - t0) * 1000, 1) if started else None,
                 "ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
                 "total_ms": round(total * 1000, 1),
                 "finish_reason": reason,
