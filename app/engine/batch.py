@@ -30,7 +30,7 @@ from .events import Failed, Finished, Started
 from .output import next_output
 from .prefill import prefill_alone
 from .request import Request, with_followers
-from .schedule import Waiting, choose
+from .schedule import Waiting, choose, join_limit
 from .steps import Measured
 from .text import StopMatcher
 
@@ -79,8 +79,9 @@ class Batch:
             self._follow_prefilling()
             prefilling = [r.left for r in self.active.values() if r.prefilling]
             line = [Waiting(r, self._uncached(r), t) for r, t in self.queue]
+            limit = join_limit(*self._step_and_token_costs())
             chosen = choose(line, prefilling, self.chunk(budget=True), self.now,
-                            self.engine.max_prefill_wait)  # fmt: skip
+                            self.engine.max_prefill_wait, limit)  # fmt: skip
             if not chosen:
                 return
             self.queue = [(r, t) for r, t in self.queue if all(r is not c for c in chosen)]
@@ -91,6 +92,14 @@ class Batch:
                 raise
             if self.active:
                 return
+
+    def _step_and_token_costs(self) -> tuple[float | None, float | None]:
+        """A step's fixed cost, read low, and a prompt token's, read high: when unsure,
+        prompts go one after another rather than make each other wait."""
+        c = self.costs
+        if c.decode is None or c.per_token is None:
+            return None, None
+        return min(c.decode, c.last_decode or c.decode), max(c.per_token, c.last_per_token)
 
     def _follow_prefilling(self) -> None:
         """Queued requests sharing a prefix with a prompt being prefilled wait for it

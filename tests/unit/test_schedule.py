@@ -3,7 +3,7 @@ and a bounded wait for long ones. Token counts and a clock stand in for a real e
 
 from __future__ import annotations
 
-from app.engine.schedule import Waiting, choose, in_line
+from app.engine.schedule import Waiting, choose, in_line, join_limit
 
 BUDGET = 512
 MAX_WAIT = 10.0
@@ -70,3 +70,32 @@ def test_beside_an_overdue_prompt_only_what_fits_its_share_starts():
 
 def test_nothing_waiting_nothing_starts():
     assert choose([], [100], BUDGET, now=0.0, max_wait=MAX_WAIT) == []
+
+
+def test_prompts_that_cost_more_than_a_steps_fixed_cost_go_one_after_another():
+    """Batched, all three get their first token when the last is done; one after another,
+    the first two get theirs a prompt or two earlier (a CPU: prefill bound by compute)."""
+    line = waiting(32, 32, 32)
+    assert choose(line, [], BUDGET, now=1.0, max_wait=MAX_WAIT, join_limit=8) == ["p0"]
+    # Cheaper than the step's fixed cost (a GPU): batching them saves more than it delays.
+    assert choose(line, [], BUDGET, now=1.0, max_wait=MAX_WAIT, join_limit=64) == [
+        "p0", "p1", "p2"
+    ]  # fmt: skip
+    assert choose(line, [], BUDGET, now=1.0, max_wait=MAX_WAIT) == ["p0", "p1", "p2"]
+    # Beside a short prompt that ends in this step, it waits for the next one.
+    assert choose(waiting(32), [32], BUDGET, now=1.0, max_wait=MAX_WAIT, join_limit=8) == []
+
+
+def test_the_join_limit_never_keeps_a_short_prompt_behind_a_long_prefill():
+    assert choose(waiting(200), [5000], BUDGET, now=1.0, max_wait=MAX_WAIT, join_limit=8) == [
+        "p0"
+    ]  # fmt: skip
+    line = waiting(3000, 40)  # the long one first (overdue): the short one still joins it
+    line[0] = Waiting("p0", 3000, arrived=-20.0)
+    assert choose(line, [], BUDGET, now=1.0, max_wait=MAX_WAIT, join_limit=8) == ["p0", "p1"]
+
+
+def test_the_join_limit_is_a_steps_fixed_cost_in_prompt_tokens():
+    assert join_limit(0.070, 0.0083) == 8
+    assert join_limit(0.005, 0.00005) == 100
+    assert join_limit(None, 0.01) is None and join_limit(0.07, None) is None
