@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from multiturn import free_port
+from multiturn import free_port, wait_ready
 
 from app.models.default_model import NAME, default_model_dir
 
@@ -217,7 +217,7 @@ def main() -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc)
+        wait_ready(url, [proc], "the server", path="/health")
         ask(url, "hi").raise_for_status()
         baseline = rss(proc.pid)
         tally = asyncio.run(run(url, proc.pid, args.clients, args.seconds, args.flush_every))
@@ -266,20 +266,6 @@ def main() -> None:
 def ask(url: str, text: str) -> httpx.Response:
     body = {"model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 8}
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not start")
 
 
 if __name__ == "__main__":

@@ -151,20 +151,37 @@ def start(
     log = Path(tempfile.mkstemp(prefix=f"bench-{kind.replace('/', '_')}-", suffix=".log")[1])
     with log.open("wb") as err:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + 300
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", [proc], f"{kind} server")
+    except RuntimeError:
+        proc.kill()
+        raise
+    return Server(kind, port, proc, log=log)
+
+
+def wait_ready(
+    url: str,
+    procs: Sequence[subprocess.Popen],
+    what: str,
+    seconds: float = 300,
+    path: str = "/v1/models",
+    log: Path | None = None,
+) -> None:
+    """Return once `url` answers `path` with a 200; RuntimeError (with the end of `log`)
+    if one of `procs` exits first or `seconds` pass."""
+    deadline = time.monotonic() + seconds
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} server exited with {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                break
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
         except httpx.TransportError:
             pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"{kind} server did not start")
+        exited = [p.returncode for p in procs if p.poll() is not None]
+        if exited or time.monotonic() > deadline:
+            why = f"exited with {exited[0]}" if exited else "did not start"
+            tail = log.read_text(errors="replace")[-2000:] if log is not None else ""
+            raise RuntimeError(f"{what} {why}" + (f": {tail}" if tail else ""))
         time.sleep(0.5)
-    return Server(kind, port, proc, log=log)
 
 
 @contextmanager

@@ -42,6 +42,7 @@ from multiturn import (
     send,
     system_prompt,
     turn_hits,
+    wait_ready,
 )  # fmt: skip
 from openai import AsyncOpenAI
 
@@ -74,17 +75,7 @@ def router(setup: str, ports: list[int], extra: list[str]):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"{setup} did not start: {log.read().decode()[-2000:]}")
-            time.sleep(0.3)
+        wait_ready(url, [proc], setup, seconds=60, log=Path(log.name))
         yield url
     finally:
         proc.terminate()

@@ -42,8 +42,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-from multiturn import RESULTS, Call, free_port, question, send, system_prompt
+from multiturn import RESULTS, Call, free_port, question, send, system_prompt, wait_ready
 from openai import AsyncOpenAI
 
 from app.models.default_model import default_model_dir
@@ -80,18 +79,7 @@ def started(setup: str, model: str):
                                           stderr=subprocess.STDOUT))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if any(proc.poll() is not None for proc in procs):
-                raise RuntimeError(f"{setup} exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{setup} did not start")
-            time.sleep(0.5)
+        wait_ready(url, procs, setup, log=log)
         yield url
     finally:
         for proc in procs:  # rank 0 first: it tells the others to stop
