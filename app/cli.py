@@ -197,7 +197,7 @@ def serve(args: argparse.Namespace) -> int:
     from .runtime.memory import limit_buffer_pool, unmap_large_blocks
     from .server.app import create_app
     from .server.connections import uvicorn_config
-    from .server.loader import model_path, model_pool
+    from .server.loader import fetched_path, model_pool
     from .server.sharded import follow, launched_group, refusal, watch
     from .serving.metrics import Metrics
     from .serving.warm import load_warm_prompts
@@ -227,9 +227,7 @@ def serve(args: argparse.Namespace) -> int:
         format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s",
     )
     if group is not None and group.rank() != 0:
-        from mlx_lm.utils import _download
-
-        path = str(_download(str(model_path(specs[0], log.info))))  # a hub id, as rank 0's
+        path = fetched_path(specs[0], log.info)  # a hub id fetched, as rank 0 does
         code = follow(specs[0].settings(settings), path, group)
         logging.shutdown()
         os._exit(code)  # as rank 0 ends: no interpreter teardown (see below)

@@ -539,8 +539,9 @@ class PromptCache:
         if part:
             keep = end.size - part
             end.segment = layers.cut_segment(end.segment, 0, keep)
-            self._add_bytes(tree, self.measure(end.segment) - end.segment_nbytes)
-            end.segment_nbytes = self.measure(end.segment)
+            kept = self.measure(end.segment)
+            self._add_bytes(tree, kept - end.segment_nbytes)
+            end.segment_nbytes = kept
             end.edge = end.edge[: keep * TOKEN]
             end.depth -= part
         if end is not node:

@@ -161,11 +161,14 @@ class Engine:
         Sharded, every rank empties its cache at the same step (the next one)."""
         if self.cache is None:
             return 0
-        keys = self.cache.models()
         if self.sharded:
             self.local_steps.flush_asked.set()
             self._inbox.put(None)  # an idle engine steps now
-            return len(keys)
+            return len(self.cache.models())
+        return self._clear_cache()
+
+    def _clear_cache(self) -> int:
+        keys = self.cache.models()
         for key in keys:
             self.cache.clear(key)
         return len(keys)
@@ -257,8 +260,7 @@ class Engine:
                 for request in inputs.cancelled:
                     request.cancelled = True
                 if inputs.flush and self.cache is not None:
-                    for key in self.cache.models():
-                        self.cache.clear(key)
+                    self._clear_cache()
                 if inputs.release:
                     memory.release_memory()
                 if batch is not None and inputs.measured is not None:
@@ -295,12 +297,11 @@ class Engine:
                 # What a request supplies runs guarded (`request.guarded`), so what lands
                 # here is the batch's own failure. Requests taken but not yet admitted fail
                 # too: nobody is left waiting for an event that will never come.
-                running = batch.everyone() if batch is not None else []
                 if self.sharded:  # the ranks may no longer agree: nothing can run on
                     log.exception("a step of the sharded engine failed; it stops")
                     self.failure = f"a step of the sharded model failed: {e}"
-                    self.fail([*new, *running], SHARD_LOST, "shutdown")
-                    break
+                    break  # its requests are failed below, with the rest
+                running = batch.everyone() if batch is not None else []
                 log.exception("generation failed")
                 self.fail([*new, *running], "Generation failed on the server. Retry.")
                 if batch is not None:

@@ -2,11 +2,12 @@
 
 A step's inputs are what comes from outside the engine thread: the requests that
 arrived, the ones their clients gave up, the time, the cost the last step measured,
-a flush of the cache. Everything the batch and the prompt cache decide (who starts,
-how large a chunk, what the cache matches, keeps and evicts) follows from these and
-from their own state. So a server sharded over several processes (`mlx.launch`)
-stays in step by reading the inputs once, on rank 0, and handing every rank the
-same ones (`app.distributed.SharedSteps`); one process reads its own (`LocalSteps`).
+a flush of the cache, an idle pause's memory release. Everything the batch and the
+prompt cache decide (who starts, how large a chunk, what the cache matches, keeps and
+evicts) follows from these and from their own state. So a server sharded over several
+processes (`mlx.launch`) stays in step by reading the inputs once, on rank 0, and
+handing every rank the same ones (`sharded.LeaderSteps`, `sharded.FollowerSteps`);
+one process reads its own (`LocalSteps`).
 
 Invariants: a request appears in `new` once, and in `cancelled` at most once, in that
 step or a later one; the engine thread sets `Request.cancelled` only from `cancelled`,

@@ -99,13 +99,11 @@ class ModelLoader:
         return self._kinds[spec.id]
 
     def open(self, spec: ModelSpec) -> ServedModel:
-        from mlx_lm.utils import _download
-
         from .app import build_engine
 
         settings = self.settings_of(spec)
         # A hub id is fetched first: its files say what kind of model it is.
-        path = str(_download(str(model_path(spec, log.info))))
+        path = fetched_path(spec, log.info)
         pooling = self._pooling(spec, Path(path))
         self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:
@@ -225,6 +223,13 @@ def model_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None
         return gguf_model_dir(Path(spec.path), progress)
     local = Path(spec.path).expanduser()
     return local if local.exists() else spec.path
+
+
+def fetched_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None) -> str:
+    """The model's folder on this machine: `model_path`'s, a hub id fetched first."""
+    from mlx_lm.utils import _download
+
+    return str(_download(str(model_path(spec, progress))))
 
 
 def _bidirectional(path: str) -> bool:
