@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..runtime import cpu_logprobs
 from .last_logits import last_logits
 
 
@@ -49,7 +50,9 @@ def sample(
         context = mx.array(tokens, dtype=mx.int32)
         for processor in processors:
             logits = processor(context, logits)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    # Normalized as mlx-lm's batch normalizes (through `runtime.cpu_logprobs` where that
+    # is installed), so a first token sampled here is drawn as the batch would draw it.
+    logprobs = logits - cpu_logprobs.generate.mx.logsumexp(logits, axis=-1, keepdims=True)
     token = sampler(logprobs)
     mx.eval(token, logprobs)
     return token, logprobs

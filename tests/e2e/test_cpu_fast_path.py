@@ -1,5 +1,5 @@
-"""With the CPU fast path (attention's softmax and the MLP's SwiGLU through numpy, on by
-default on the CPU), greedy output with the cache equals output without it, through the
+"""With the CPU fast path (attention's softmax, the MLP's SwiGLU and the logits'
+normalization through numpy, on by default on the CPU), greedy output with the cache equals output without it, through the
 `openai` SDK."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from app.runtime import cpu_activations, cpu_attention
+from app.runtime import cpu_activations, cpu_attention, cpu_logprobs
 from tests.live import serving
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-only path")
@@ -32,12 +32,20 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
 
     monkeypatch.setattr(cpu_activations, "_eligible", deciding)
     monkeypatch.setattr(cpu_attention, "attention", counting)
+    normalized, ours = [], cpu_logprobs.logsumexp
+
+    def normalizing(a, axis=None, keepdims=False):
+        normalized.append(a.shape)
+        return ours(a, axis, keepdims)
+
+    monkeypatch.setattr(cpu_logprobs.generate, "mx", mx)  # installed afresh, then undone
+    monkeypatch.setattr(cpu_logprobs, "logsumexp", normalizing)
     system = {"role": "system", "content": "You are a helpful assistant. " * 20}
     with (
         serving(str(tiny_model_dir), served_model_name="tiny") as cached,
         serving(str(tiny_model_dir), served_model_name="tiny", no_cache=True) as uncached,
     ):
-        messages = [system]
+        messages, generated = [system], 0
         for question in ("Hello.", "Tell me more.", "And then?"):
             messages.append({"role": "user", "content": question})
             replies = []
@@ -47,9 +55,11 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
                     model="tiny", messages=messages, max_tokens=16, temperature=0
                 )
                 replies.append((r.choices[0].message.content, r.usage))
+                generated += r.usage.completion_tokens
             (text, usage), (plain, _) = replies
             assert text == plain
             messages.append({"role": "assistant", "content": text})
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
     assert taken and all(taken)  # every SwiGLU through numpy
+    assert len(normalized) >= generated  # every token of both servers' replies
