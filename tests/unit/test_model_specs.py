@@ -64,6 +64,12 @@ def test_the_flags_model_comes_first_and_answers_to_default():
         ([{"id": "x"}], "'path'"),
         ([{"path": "/a", "tempreature": 1}], "unknown keys tempreature"),
         ([{"path": "/a", "ttl": -1}], "'ttl'"),
+        # TOML's true is not a number (Python's bool is an int: it would pass as 1).
+        ([{"path": "/a", "ttl": True}], "'ttl' must be a positive number"),
+        ([{"path": "/a", "temperature": True}], "'temperature': expected a number, not true"),
+        ([{"path": "/a", "context_length": False}], "'context_length': expected a number"),
+        ([{"path": "/a", "cache_max_bytes": True}], "'cache_max_bytes': not a size: true"),
+        ([{"path": "/a", "working_memory": True}], "'working_memory': not a size: true"),
         ([{"path": "/a", "aliases": [1]}], "'aliases'"),
         ([{"path": "/a", "pooling": "max"}], "'pooling'"),
         ([{"path": "/a", "pinned": "false"}], "'pinned' must be true or false"),
@@ -77,6 +83,15 @@ def test_the_flags_model_comes_first_and_answers_to_default():
 def test_mistakes_in_the_models_are_named_at_start(tables, message):
     with pytest.raises(ValueError, match=message):
         model_specs(Settings(model="/default-model", models=tables), "embedded")
+
+
+def test_a_true_for_a_number_at_the_settings_files_top_level_is_refused(tmp_path):
+    config = tmp_path / "s.toml"
+    for line, message in [("model_ttl = true", "expected a number, not true"),
+                          ("memory_budget = true", "not a size: true")]:  # fmt: skip
+        config.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_settings(config, {})
 
 
 def test_the_example_settings_files_load():
