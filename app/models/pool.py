@@ -246,7 +246,7 @@ class ModelPool(Generic[S]):
         """Unload everything (at shutdown); a load still running is undone when it ends."""
         self._closed = True
         for model_id in list(self._loaded):
-            self.loader.close(self._loaded.pop(model_id).served)
+            self._close(model_id, self._loaded.pop(model_id).served)
         self.loader.reclaim()
 
     # ------------------------------------------------------------ internals
@@ -366,11 +366,17 @@ class ModelPool(Generic[S]):
         served = self._loaded.pop(model_id).served
         self.unloads[model_id] += 1
         log.info("unloading model %s (%s)", model_id, reason)
-        await asyncio.to_thread(self.loader.close, served)
+        await asyncio.to_thread(self._close, model_id, served)
         # Its arrays sit in reference cycles (engine, batch, serving classes): only a
         # collection frees them, and only once this frame lets go of them.
         del served
         await asyncio.to_thread(self.loader.reclaim)
+
+    def _close(self, model_id: str, served: S) -> None:
+        try:
+            self.loader.close(served)
+        except Exception:  # out of the list already: no request reaches it, so it is unloaded
+            log.exception("closing model %s failed; it counts as unloaded", model_id)
 
     def _too_big(self, spec: ModelSpec, need: int) -> str:
         pinned = sum(m.bytes for m in self._loaded.values() if m.spec.pinned)

@@ -28,6 +28,7 @@ class FakeLoader:
     fail: set[str] = field(default_factory=set)
     slow_close: dict[str, threading.Event] = field(default_factory=dict)  # closes that wait
     closed_busy: list[str] = field(default_factory=list)  # closed under a running request
+    close_fails: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -48,6 +49,8 @@ class FakeLoader:
         self.closed.append(served.spec.id)
         if served.spec.id in self.slow_close:
             self.slow_close[served.spec.id].wait(10)
+        if served.spec.id in self.close_fails:
+            raise RuntimeError(f"{served.spec.id}'s engine would not stop")
 
     def reclaim(self) -> None:
         pass
@@ -297,3 +300,23 @@ def test_unloading_a_model_that_is_loading_is_refused_at_once():
         await loading
 
     run(main())
+
+
+def test_a_close_that_fails_still_unloads_the_model():
+    p, loader = pool(budget=100, sizes={"c": 70})
+    loader.close_fails.update({"a", "b"})
+    p.open_now("a")
+    p.open_now("b")
+
+    async def main():
+        assert await p.unload("a") is True  # logged, not raised: it is out of the list
+        assert p.get("a") is None and p.unloads["a"] == 1
+        async with p.use("c"):  # 70 beside b's 40: b goes for room, its close fails too
+            pass
+        async with p.use("a"):  # and a loads again (c goes for it)
+            pass
+
+    run(main())
+    assert loader.closed == ["a", "b", "c"] and [m.spec.id for m in p.loaded()] == ["a"]
+    p.close()  # at shutdown too: the others are still closed
+    assert p.loaded() == [] and loader.closed[-1] == "a"
