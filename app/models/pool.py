@@ -10,7 +10,7 @@ Invariants:
 - one load or unload runs at a time, so two loads never plan against the same
   free memory;
 - with a budget, the loaded models' bytes as counted before loading stay within
-  it: a model that cannot fit even alone beside the pinned ones is refused, one
+  it: a model that cannot fit even alone beside the pinned ones is refused for good, one
   that must wait for busy models waits (bounded by `load_timeout`), and requests
   for a model that is loading wait for it (bounded too) rather than fail. A model
   that measures more once loaded than its files said unloads idle models after
@@ -59,6 +59,13 @@ class ModelUnavailable(RuntimeError):
     def __init__(self, message: str, retry: bool = True) -> None:
         super().__init__(message)
         self.retry = retry
+
+
+class ModelTooLarge(ModelUnavailable):
+    """The model cannot fit the budget even beside the pinned models alone: not now, not later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry=False)
 
 
 class ModelBusy(RuntimeError):
@@ -321,7 +328,7 @@ class ModelPool(Generic[S]):
         while True:
             room = make_room(self._residents(), need, self.budget)
             if not room.ever:
-                raise ModelUnavailable(self._too_big(spec, need), retry=False)
+                raise ModelTooLarge(self._too_big(spec, need))
             if not room.fits:
                 self._blocked[spec.id] = [r.id for r in self._residents() if r.busy]
                 return False

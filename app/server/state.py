@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 
-from ..models.pool import ModelBusy, ModelPool, ModelUnavailable, UnknownModel
+from ..models.pool import ModelBusy, ModelPool, ModelTooLarge, ModelUnavailable, UnknownModel
 from ..serving.errors import APIError
 from ..serving.metrics import Metrics
 from ..settings import Settings
@@ -70,6 +70,8 @@ def pool_errors(pool: ModelPool) -> Iterator[None]:
         ) from None
     except ModelBusy as e:
         raise APIError(409, str(e), code="model_busy") from None
+    except ModelTooLarge as e:  # a 4xx: it never fits, so clients must not retry it
+        raise APIError(400, str(e), param="model", code="model_too_large") from None
     except ModelUnavailable as e:
         raise APIError(
             503,
