@@ -2,10 +2,10 @@
 
 A model is a `ModelSpec`: an id clients send, where its weights are, and the
 settings it overrides for itself. The first model is the default: it answers to
-`default`, takes the server-wide `--served-model-name`, `--model-alias` and
-sampling flags, and is loaded at start. Every model's settings are the server's
-with its own overrides on top (`ModelSpec.settings`), so one code path builds an
-engine for any of them.
+`default`, takes the server-wide `--served-model-name` and `--model-alias`, and is
+loaded at start. Every model's settings are the server's (sampling flags,
+`--max-tokens`, `--context-length`, `--kv-bits` included) with its own overrides on
+top (`ModelSpec.settings`), so one code path builds an engine for any of them.
 """
 
 from __future__ import annotations

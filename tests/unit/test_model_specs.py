@@ -109,6 +109,18 @@ def test_names_for_the_flags_model_are_refused_when_only_tables_name_models():
         model_specs(Settings(served_model_name="x", models=[{"path": "/a"}]), "embedded")
 
 
+def test_the_servers_sampling_and_cache_settings_apply_to_every_model_under_its_own():
+    base = Settings(temperature=0.2, default_max_tokens=99, context_length=1024, kv_bits=8)
+    first, second, third = model_specs(
+        Settings(model="/m/first", models=[{"path": "/m/x"}, {"path": "/m/y", "kv_bits": 4}]),
+        "embedded",
+    )
+    for spec in (first, second, third):  # as the README says: not the first model's alone
+        own = spec.settings(base)
+        assert (own.temperature, own.default_max_tokens, own.context_length) == (0.2, 99, 1024)
+    assert second.settings(base).kv_bits == 8 and third.settings(base).kv_bits == 4
+
+
 def test_a_models_template_variables_go_over_the_servers():
     base = Settings(chat_template_kwargs={"enable_thinking": True, "style": "short"})
     (spec,) = model_specs(
