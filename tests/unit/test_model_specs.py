@@ -94,14 +94,20 @@ def test_a_true_for_a_number_at_the_settings_files_top_level_is_refused(tmp_path
             load_settings(config, {})
 
 
-def test_the_example_settings_files_load():
+def test_the_example_settings_files_load(tmp_path):
     root = Path(__file__).parents[2] / "configs"
     for name in ("server.example.toml", "models.example.toml"):
         settings = load_settings(root / name, {})
-        assert model_specs(settings, "embedded")
-    chat, fast, autocomplete = model_specs(load_settings(root / "models.example.toml", {}), "x")
+        check_paths(model_specs(settings, "embedded"))  # its header's command starts as it is
+    chat, fast = model_specs(load_settings(root / "models.example.toml", {}), "x")
     assert chat.pinned and fast.overrides["chat_template_kwargs"] == {"enable_thinking": False}
+    # Its commented-out GGUF table, uncommented, is a model too.
+    head, tail = (root / "models.example.toml").read_text().split("# [[models]]")
+    tail = "\n".join(line.removeprefix("# ") for line in ("[[models]]" + tail).splitlines())
+    (tmp_path / "m.toml").write_text(head + tail)
+    *_, autocomplete = model_specs(load_settings(tmp_path / "m.toml", {}), "x")
     assert autocomplete.path.endswith(".gguf") and autocomplete.id == "autocomplete"
+    assert autocomplete.overrides["default_max_tokens"] == 256 and autocomplete.ttl == 300
 
 
 def test_names_for_the_flags_model_are_refused_when_only_tables_name_models():
