@@ -44,7 +44,8 @@ class Loader(Protocol[S]):
 
     def fetch(self, spec: ModelSpec) -> None: ...  # its files here: download, import
     def open(self, spec: ModelSpec) -> S: ...
-    def kind(self, spec: ModelSpec) -> str: ...  # what it serves: "chat" or "embedding"
+    # What it serves: "chat" or "embedding"; None: not known until its files are fetched.
+    def kind(self, spec: ModelSpec) -> str | None: ...
     def close(self, served: S) -> None: ...  # stop serving it
     def reclaim(self) -> None: ...  # free what closed models held, once none is referenced
     def estimate(self, spec: ModelSpec) -> int: ...  # bytes it will count, from its files

@@ -88,12 +88,16 @@ class ModelLoader:
             settings = replace(settings, cache_max_bytes=settings.memory_budget // 4)
         return settings
 
-    def kind(self, spec: ModelSpec) -> str:
+    def kind(self, spec: ModelSpec) -> str | None:
         """What the model serves, known before loading it: "embedding" (configured so, or
-        found so from its files) or "chat"."""
+        found so from its files) or "chat"; None while its files are not here (a hub id not
+        downloaded yet): its fetch tells."""
         if spec.id not in self._kinds:  # read once: every request asks
+            folder = self._folder(spec)
+            if folder is None and not (spec.embedding or spec.pooling is not None):
+                return None  # not kept: a guess now would outlive the download
             try:
-                embedding = self._pooling(spec) is not None
+                embedding = self._pooling(spec, folder) is not None
             except ValueError:  # an embedding model it cannot serve: its load says why
                 embedding = True
             self._kinds[spec.id] = "embedding" if embedding else "chat"
@@ -159,6 +163,10 @@ class ModelLoader:
         # Slots count what the server admitted; the engine's own counts also see what
         # runs without one (warm prompts) or has not left the batch yet (a cancellation).
         return max(engine.in_flight, engine.running + engine.waiting)
+
+    def _folder(self, spec: ModelSpec) -> Path | None:
+        fetched = self._fetched.get(spec.id)
+        return Path(fetched) if fetched is not None else local_folder(spec)
 
     def _pooling(self, spec: ModelSpec, folder: Path | None = None) -> Pooling | None:
         folder = folder or local_folder(spec)

@@ -30,11 +30,13 @@ class ServerState:
         """The model a request names, loaded, held while the block runs; errors as the API's.
 
         `kind`: what the route needs, a model that generates text or one that embeds; the
-        other kind is a 400 before anything is loaded.
+        other kind is a 400, before anything is loaded when its files are here, else once
+        they are (a hub id's kind is known only when it is downloaded).
         """
         with pool_errors(self.models):
             spec = self.models.spec(name)
-        if self.models.loader.kind(spec) != kind:
+        known = self.models.loader.kind(spec)
+        if known is not None and known != kind:
             raise APIError(400, _wrong_kind(spec.id, kind), param="model", code="wrong_model_type")
         with pool_errors(self.models):  # the block's own errors are never the pool's
             async with self.models.use(name) as served:
