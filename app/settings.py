@@ -88,6 +88,8 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
 
 def parse_size(text: str | int) -> int:
     """Bytes from '512MiB', '2GB', '1.5g' or a plain number."""
+    if isinstance(text, bool):  # an int to Python: TOML's `true` would pass as 1 byte
+        raise ValueError(f"not a size: {str(text).lower()} (try 512MiB or 2GB)")
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
@@ -104,7 +106,7 @@ def coerce(name: str, value: Any) -> Any:
         return parse_size(value)
     if name == "models":
         if not isinstance(value, list):
-            raise ValueError("models: expected [[models]] tables in the settings file")
+            raise ValueError("expected [[models]] tables in the settings file")
         return value
     if name == "chat_template_kwargs":
         try:
@@ -112,9 +114,12 @@ def coerce(name: str, value: Any) -> Any:
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            raise ValueError("chat_template_kwargs: expected a table (a JSON object)")
+            raise ValueError("expected a table (a JSON object)")
         return value
     kind = {f.name: f.type for f in fields(Settings)}[name]
+    numeric = kind.startswith("float") or ("int" in kind and "str" not in kind)
+    if numeric and isinstance(value, bool):  # float(True) is 1.0: a typo would pass as 1
+        raise ValueError(f"expected a number, not {str(value).lower()}")
     if kind.startswith("list"):
         items = value.split(",") if isinstance(value, str) else list(value)
         return [str(v).strip() for v in items if str(v).strip()]
@@ -141,7 +146,7 @@ def load_settings(config: Path | None, flags: dict[str, Any]) -> Settings:
         if env is not None:
             values[f.name] = env
     values.update({k: v for k, v in flags.items() if v is not None})
-    settings = Settings(**{k: coerce(k, v) for k, v in values.items()})
+    settings = Settings(**{k: _coerced(k, v) for k, v in values.items()})
     if not settings.model_load_timeout > 0:
         raise ValueError(f"model_load_timeout must be positive: {settings.model_load_timeout}")
     if settings.model_ttl is not None and not settings.model_ttl > 0:
@@ -151,6 +156,13 @@ def load_settings(config: Path | None, flags: dict[str, Any]) -> Settings:
             f"decode_gap must be a positive number of seconds, not {settings.decode_gap}"
         )
     return settings
+
+
+def _coerced(name: str, value: Any) -> Any:
+    try:
+        return coerce(name, value)
+    except (TypeError, ValueError) as e:  # named: the file may set dozens of them
+        raise ValueError(f"{name}: {e}") from None
 
 
 def describe_size(n: int | None) -> str:

@@ -1,16 +1,18 @@
 """The configured models: which are loaded, loading them on first use, unloading them.
 
-`ModelPool` carries out `residency`'s policy on the event loop. Loading and
-unloading run on worker threads; the decisions run on the loop, so they need no
+`ModelPool` carries out `residency`'s policy on the event loop. Fetching, loading
+and unloading run on worker threads; the decisions run on the loop, so they need no
 locks of their own beyond `_changing`.
 
 Invariants:
 - a model is never unloaded while it is busy: a request holds it (`use`), waits
   for it, or still runs on its engine (`Loader.requests`);
 - one load or unload runs at a time, so two loads never plan against the same
-  free memory;
+  free memory; fetching a model's files (a download, a GGUF import: minutes, maybe)
+  comes first, outside that lock, so it holds up no other model's load or unload,
+  and the plan counts the files fetched, not a guess made without them;
 - with a budget, the loaded models' bytes as counted before loading stay within
-  it: a model that cannot fit even alone beside the pinned ones is refused, one
+  it: a model that cannot fit even alone beside the pinned ones is refused for good, one
   that must wait for busy models waits (bounded by `load_timeout`), and requests
   for a model that is loading wait for it (bounded too) rather than fail. A model
   that measures more once loaded than its files said unloads idle models after
@@ -40,11 +42,13 @@ POLL = 0.05  # seconds between looks at busy models while a load waits for their
 class Loader(Protocol[S]):
     """How a model becomes servable and goes away again; blocking calls, run off the loop."""
 
+    def fetch(self, spec: ModelSpec) -> None: ...  # its files here: download, import
     def open(self, spec: ModelSpec) -> S: ...
-    def kind(self, spec: ModelSpec) -> str: ...  # what it serves: "chat" or "embedding"
+    # What it serves: "chat" or "embedding"; None: not known until its files are fetched.
+    def kind(self, spec: ModelSpec) -> str | None: ...
     def close(self, served: S) -> None: ...  # stop serving it
     def reclaim(self) -> None: ...  # free what closed models held, once none is referenced
-    def estimate(self, spec: ModelSpec) -> int: ...  # bytes it will count, before loading
+    def estimate(self, spec: ModelSpec) -> int: ...  # bytes it will count, from its files
     def measure(self, served: S) -> int: ...  # bytes it counts, once loaded
     def requests(self, served: S) -> int: ...  # requests running or queued on it
 
@@ -59,6 +63,13 @@ class ModelUnavailable(RuntimeError):
     def __init__(self, message: str, retry: bool = True) -> None:
         super().__init__(message)
         self.retry = retry
+
+
+class ModelTooLarge(ModelUnavailable):
+    """The model cannot fit the budget even beside the pinned models alone: not now, not later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry=False)
 
 
 class ModelBusy(RuntimeError):
@@ -184,7 +195,7 @@ class ModelPool(Generic[S]):
     async def unload(self, name: str) -> bool:
         """Unload the model now; False if it was not loaded. Refused while it is busy."""
         spec = self.spec(name)
-        if spec.id in self._loading:  # asked before the lock, which its load holds
+        if spec.id in self._loading:  # asked before the lock, which its load may hold
             raise ModelBusy(f"The model '{spec.id}' is loading; unload it once it is loaded.")
         async with self._changing:
             loaded = self._loaded.get(spec.id)
@@ -231,9 +242,11 @@ class ModelPool(Generic[S]):
         spec = self.spec(name)
         if spec.id in self._loaded:
             return spec
-        room = make_room(self._residents(), self.loader.estimate(spec), self.budget)
+        self.loader.fetch(spec)
+        need = self.loader.estimate(spec)
+        room = make_room(self._residents(), need, self.budget)
         if not room.fits or room.unload:
-            raise ValueError(self._too_big(spec, self.loader.estimate(spec)))
+            raise ValueError(self._too_big(spec, need))
         t0 = time.perf_counter()
         self._register(spec, self.loader.open(spec), time.perf_counter() - t0)
         return spec
@@ -246,7 +259,7 @@ class ModelPool(Generic[S]):
         """Unload everything (at shutdown); a load still running is undone when it ends."""
         self._closed = True
         for model_id in list(self._loaded):
-            self.loader.close(self._loaded.pop(model_id).served)
+            self._close(model_id, self._loaded.pop(model_id).served)
         self.loader.reclaim()
 
     # ------------------------------------------------------------ internals
@@ -292,8 +305,10 @@ class ModelPool(Generic[S]):
             task.exception()  # retrieved here: its waiters may all have timed out
 
     async def _load(self, spec: ModelSpec) -> None:
-        """Make room and load; the lock is held for each try at room and for the load
-        itself, not while waiting for busy models: other models load and unload meanwhile."""
+        """Fetch its files, then make room and load. The lock is held for each try at room
+        and for the load itself, not while fetching nor while waiting for busy models:
+        other models load and unload meanwhile."""
+        await self._fetch(spec)
         deadline = time.monotonic() + self.load_timeout
         try:
             while True:
@@ -321,13 +336,24 @@ class ModelPool(Generic[S]):
         while True:
             room = make_room(self._residents(), need, self.budget)
             if not room.ever:
-                raise ModelUnavailable(self._too_big(spec, need), retry=False)
+                raise ModelTooLarge(self._too_big(spec, need))
             if not room.fits:
                 self._blocked[spec.id] = [r.id for r in self._residents() if r.busy]
                 return False
             if not room.unload:
                 return True
             await self._unload(room.unload[0], f"room for {spec.id}")
+
+    async def _fetch(self, spec: ModelSpec) -> None:
+        try:
+            await asyncio.to_thread(self.loader.fetch, spec)
+        except Exception as e:
+            log.exception("fetching model %s failed", spec.id)
+            raise ModelUnavailable(
+                f"The model '{spec.id}' could not be fetched: {e}", retry=False
+            ) from e
+        if self._closed:
+            raise ModelUnavailable("The server is shutting down.")
 
     async def _open(self, spec: ModelSpec) -> None:
         log.info("loading model %s", spec.id)
@@ -366,11 +392,17 @@ class ModelPool(Generic[S]):
         served = self._loaded.pop(model_id).served
         self.unloads[model_id] += 1
         log.info("unloading model %s (%s)", model_id, reason)
-        await asyncio.to_thread(self.loader.close, served)
+        await asyncio.to_thread(self._close, model_id, served)
         # Its arrays sit in reference cycles (engine, batch, serving classes): only a
         # collection frees them, and only once this frame lets go of them.
         del served
         await asyncio.to_thread(self.loader.reclaim)
+
+    def _close(self, model_id: str, served: S) -> None:
+        try:
+            self.loader.close(served)
+        except Exception:  # out of the list already: no request reaches it, so it is unloaded
+            log.exception("closing model %s failed; it counts as unloaded", model_id)
 
     def _too_big(self, spec: ModelSpec, need: int) -> str:
         pinned = sum(m.bytes for m in self._loaded.values() if m.spec.pinned)

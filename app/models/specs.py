@@ -2,10 +2,10 @@
 
 A model is a `ModelSpec`: an id clients send, where its weights are, and the
 settings it overrides for itself. The first model is the default: it answers to
-`default`, takes the server-wide `--served-model-name`, `--model-alias` and
-sampling flags, and is loaded at start. Every model's settings are the server's
-with its own overrides on top (`ModelSpec.settings`), so one code path builds an
-engine for any of them.
+`default`, takes the server-wide `--served-model-name` and `--model-alias`, and is
+loaded at start. Every model's settings are the server's (sampling flags,
+`--max-tokens`, `--context-length`, `--kv-bits` included) with its own overrides on
+top (`ModelSpec.settings`), so one code path builds an engine for any of them.
 """
 
 from __future__ import annotations
@@ -125,12 +125,17 @@ def _from_table(table: Any, i: int, settings: Settings) -> ModelSpec:
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise ValueError(f"{where}: 'aliases' must be a list of names")
     ttl = table.get("ttl", settings.model_ttl)
-    if ttl is not None and not (isinstance(ttl, int | float) and ttl > 0):
+    number = isinstance(ttl, int | float) and not isinstance(ttl, bool)  # true is an int too
+    if ttl is not None and not (number and ttl > 0):
         raise ValueError(f"{where}: 'ttl' must be a positive number of seconds")
     for key in ("pinned", "embedding", "normalize"):
         if key in table and not isinstance(table[key], bool):
             raise ValueError(f"{where}: '{key}' must be true or false")
     working = table.get("working_memory")
+    try:
+        working = parse_size(working) if working is not None else None
+    except ValueError as e:
+        raise ValueError(f"{where}: 'working_memory': {e}") from None
     pooling = table.get("pooling")
     if pooling is not None and pooling not in ("last", "mean"):
         raise ValueError(f"{where}: 'pooling' is last or mean")
@@ -149,7 +154,7 @@ def _from_table(table: Any, i: int, settings: Settings) -> ModelSpec:
         aliases=tuple(aliases),
         pinned=table.get("pinned", False),
         ttl=float(ttl) if ttl is not None else None,
-        working_memory=parse_size(working) if working is not None else None,
+        working_memory=working,
         embedding=table.get("embedding", False) or pooling is not None,
         pooling=pooling,
         normalize=table.get("normalize", True),

@@ -88,7 +88,7 @@ def create_app(
 
 
 _ERROR_CODES = {
-    "400": "Invalid request",
+    "400": "Invalid request, or a model that cannot fit the memory budget",
     "401": "Missing or wrong API key",
     "404": "Unknown model",
     "408": "Generation took longer than the request timeout",
@@ -97,7 +97,7 @@ _ERROR_CODES = {
     "403": "Admin routes are off: the server has API keys and no admin key",
     "431": "Request headers too large, or too many",
     "409": "The model has requests running, or is pinned",
-    "503": "The model could not be loaded in time, or cannot fit the memory budget",
+    "503": "The model could not be loaded, or not in time",
 }
 _GENERATION = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 _EMBEDDINGS = "/v1/embeddings"

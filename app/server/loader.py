@@ -78,6 +78,7 @@ class ModelLoader:
         """`group`: the processes of a sharded server (`sharded`), this one rank 0."""
         self.settings, self.metrics, self.names, self.group = settings, metrics, names, group
         self._kinds: dict[str, str] = {}
+        self._fetched: dict[str, str] = {}  # model id: its folder, fetched for its next open
         self._stuck = False
 
     def settings_of(self, spec: ModelSpec) -> Settings:
@@ -87,23 +88,32 @@ class ModelLoader:
             settings = replace(settings, cache_max_bytes=settings.memory_budget // 4)
         return settings
 
-    def kind(self, spec: ModelSpec) -> str:
+    def kind(self, spec: ModelSpec) -> str | None:
         """What the model serves, known before loading it: "embedding" (configured so, or
-        found so from its files) or "chat"."""
+        found so from its files) or "chat"; None while its files are not here (a hub id not
+        downloaded yet): its fetch tells."""
         if spec.id not in self._kinds:  # read once: every request asks
+            folder = self._folder(spec)
+            if folder is None and not (spec.embedding or spec.pooling is not None):
+                return None  # not kept: a guess now would outlive the download
             try:
-                embedding = self._pooling(spec) is not None
+                embedding = self._pooling(spec, folder) is not None
             except ValueError:  # an embedding model it cannot serve: its load says why
                 embedding = True
             self._kinds[spec.id] = "embedding" if embedding else "chat"
         return self._kinds[spec.id]
 
+    def fetch(self, spec: ModelSpec) -> None:
+        """Download a hub id, import a GGUF file: before the pool plans the model's room,
+        which then counts its weights as they will load, not a guess made without them."""
+        self._fetched[spec.id] = fetched_path(spec, log.info)
+
     def open(self, spec: ModelSpec) -> ServedModel:
         from .app import build_engine
 
         settings = self.settings_of(spec)
-        # A hub id is fetched first: its files say what kind of model it is.
-        path = fetched_path(spec, log.info)
+        # Fetched first (its files say what kind of model it is), as the pool does.
+        path = self._fetched.pop(spec.id, None) or fetched_path(spec, log.info)
         pooling = self._pooling(spec, Path(path))
         self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:
@@ -136,7 +146,8 @@ class ModelLoader:
 
     def estimate(self, spec: ModelSpec) -> int:
         embedding = self.kind(spec) == "embedding"
-        return weights_on_disk(spec) + self._beside_weights(self.settings_of(spec), spec, embedding)
+        weights = weights_on_disk(spec, self._fetched.get(spec.id))
+        return weights + self._beside_weights(self.settings_of(spec), spec, embedding)
 
     def measure(self, served: ServedModel) -> int:
         from mlx.utils import tree_flatten
@@ -152,6 +163,10 @@ class ModelLoader:
         # Slots count what the server admitted; the engine's own counts also see what
         # runs without one (warm prompts) or has not left the batch yet (a cancellation).
         return max(engine.in_flight, engine.running + engine.waiting)
+
+    def _folder(self, spec: ModelSpec) -> Path | None:
+        fetched = self._fetched.get(spec.id)
+        return Path(fetched) if fetched is not None else local_folder(spec)
 
     def _pooling(self, spec: ModelSpec, folder: Path | None = None) -> Pooling | None:
         folder = folder or local_folder(spec)
@@ -254,22 +269,28 @@ def local_folder(spec: ModelSpec) -> Path | None:
     return model_folder(str(Path(spec.path).expanduser()))
 
 
-def weights_on_disk(spec: ModelSpec) -> int:
-    """The bytes of the model's weight files, before it is loaded (0 when not known).
+def weights_on_disk(spec: ModelSpec, folder: str | None = None) -> int:
+    """The bytes of the model's weight files (in `folder`, where it was fetched to), before
+    it is loaded; 0 when not known.
 
-    A GGUF file not imported yet counts its own size (its quantized weights may grow
-    on import: the pool corrects the count once the model is loaded).
+    Before it is fetched, a GGUF file not imported yet counts its own size (its import
+    makes it larger) and a hub id not downloaded counts nothing: the pool fetches a model
+    before it plans its room, so only GET /v1/models shows those figures.
     """
-    folder = local_folder(spec)
     try:
+        if folder is not None:
+            return _safetensors_bytes(Path(folder))
+        local = local_folder(spec)
         gguf = spec.path is not None and spec.path.endswith(".gguf")
-        if gguf and (folder is None or not folder.exists()):  # not imported yet, or gone
+        if gguf and (local is None or not local.exists()):  # not imported yet, or gone
             return Path(spec.path).expanduser().stat().st_size
-        if folder is None:
-            return 0
-        return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        return _safetensors_bytes(local) if local is not None else 0
     except OSError:
         return 0
+
+
+def _safetensors_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
 def _describe(served: ServedModel, path: str) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 
-from ..models.pool import ModelBusy, ModelPool, ModelUnavailable, UnknownModel
+from ..models.pool import ModelBusy, ModelPool, ModelTooLarge, ModelUnavailable, UnknownModel
 from ..serving.errors import APIError
 from ..serving.metrics import Metrics
 from ..settings import Settings
@@ -30,11 +30,13 @@ class ServerState:
         """The model a request names, loaded, held while the block runs; errors as the API's.
 
         `kind`: what the route needs, a model that generates text or one that embeds; the
-        other kind is a 400 before anything is loaded.
+        other kind is a 400, before anything is loaded when its files are here, else once
+        they are (a hub id's kind is known only when it is downloaded).
         """
         with pool_errors(self.models):
             spec = self.models.spec(name)
-        if self.models.loader.kind(spec) != kind:
+        known = self.models.loader.kind(spec)
+        if known is not None and known != kind:
             raise APIError(400, _wrong_kind(spec.id, kind), param="model", code="wrong_model_type")
         with pool_errors(self.models):  # the block's own errors are never the pool's
             async with self.models.use(name) as served:
@@ -70,6 +72,8 @@ def pool_errors(pool: ModelPool) -> Iterator[None]:
         ) from None
     except ModelBusy as e:
         raise APIError(409, str(e), code="model_busy") from None
+    except ModelTooLarge as e:  # a 4xx: it never fits, so clients must not retry it
+        raise APIError(400, str(e), param="model", code="model_too_large") from None
     except ModelUnavailable as e:
         raise APIError(
             503,

@@ -270,7 +270,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "mlx-cache-server"
     # Beyond OpenAI's card, as local servers report it (LM Studio's `state`, say):
-    type: Literal["chat", "embedding"] = "chat"  # embedding: for POST /v1/embeddings only
+    # embedding: for POST /v1/embeddings only; None: not known until its files are fetched
+    type: Literal["chat", "embedding"] | None = "chat"
     status: Literal["loaded", "loading", "unloaded"] = "loaded"
     loaded: bool = True
     context_length: int | None = None  # None: not known until it is loaded

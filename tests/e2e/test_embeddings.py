@@ -140,3 +140,23 @@ def test_text_no_tokenizer_takes_is_a_400_not_a_500(live):
         live.url + "/v1/embeddings", content=body, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+
+
+def test_a_hub_model_not_downloaded_yet_is_fetched_to_learn_its_kind(
+    embedding_dir, tiny_model_dir, monkeypatch
+):
+    import app.server.loader as loader
+
+    hub = {"org/embedder": embedding_dir, "org/chatter": tiny_model_dir}  # "downloaded" here
+    monkeypatch.setattr(loader, "fetched_path", lambda spec, progress=None: str(hub[spec.path]))
+    models = [ModelSpec("hub-embed", "org/embedder"), ModelSpec("hub-chat", "org/chatter")]
+    with serving_models(models) as server:
+        c = client(server.url)
+        types = {m.id: m.model_extra["type"] for m in c.models.list().data}
+        assert types == {"hub-embed": None, "hub-chat": None}  # no files yet to tell
+        r = c.embeddings.create(model="hub-embed", input="hi", encoding_format="float")
+        assert len(r.data[0].embedding) == 64  # not a 400: its files said what it is
+        with pytest.raises(openai.BadRequestError, match="has no embeddings"):
+            c.embeddings.create(model="hub-chat", input="hi")  # a 400 once known to chat
+        types = {m.id: m.model_extra["type"] for m in c.models.list().data}
+        assert types == {"hub-embed": "embedding", "hub-chat": "chat"}

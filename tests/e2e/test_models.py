@@ -351,7 +351,7 @@ def test_an_unloaded_models_conversations_come_back_from_the_disk_tier(
         assert disk["models"][0]["disk_hits"] == 1
 
 
-def test_a_busy_model_is_not_unloaded_and_one_that_cannot_fit_is_a_503(
+def test_a_busy_model_is_not_unloaded_and_one_that_cannot_fit_is_a_400(
     tiny_model_dir, second_model_dir
 ):
     model_specs = specs(tiny_model_dir, second_model_dir)
@@ -362,10 +362,13 @@ def test_a_busy_model_is_not_unloaded_and_one_that_cannot_fit_is_a_503(
     too_small = [ModelSpec("a", str(tiny_model_dir), pinned=True), model_specs[1]]
     with serving_models(too_small, memory_budget=sizes["a"] + sizes["b"] // 2, **SMALL) as live:
         c = client(live.url)
-        with pytest.raises(openai.APIStatusError) as e:
+        with pytest.raises(openai.BadRequestError) as e:  # not a 503: SDKs would retry it
             c.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}])
-        assert e.value.status_code == 503 and "cannot fit" in str(e.value)
+        assert e.value.code == "model_too_large" and "cannot fit" in str(e.value)
+        assert e.value.body["param"] == "model" and e.value.body["type"] == "invalid_request_error"
         assert "retry-after" not in e.value.response.headers  # waiting will not help
+        admin = httpx.post(live.url + "/v1/models/b/load")
+        assert admin.status_code == 400 and admin.json()["error"]["code"] == "model_too_large"
     with serving_models(model_specs, **SMALL) as live:
         stream = client(live.url).chat.completions.create(
             model="b", messages=[{"role": "user", "content": "Count."}], max_tokens=300,

@@ -64,6 +64,12 @@ def test_the_flags_model_comes_first_and_answers_to_default():
         ([{"id": "x"}], "'path'"),
         ([{"path": "/a", "tempreature": 1}], "unknown keys tempreature"),
         ([{"path": "/a", "ttl": -1}], "'ttl'"),
+        # TOML's true is not a number (Python's bool is an int: it would pass as 1).
+        ([{"path": "/a", "ttl": True}], "'ttl' must be a positive number"),
+        ([{"path": "/a", "temperature": True}], "'temperature': expected a number, not true"),
+        ([{"path": "/a", "context_length": False}], "'context_length': expected a number"),
+        ([{"path": "/a", "cache_max_bytes": True}], "'cache_max_bytes': not a size: true"),
+        ([{"path": "/a", "working_memory": True}], "'working_memory': not a size: true"),
         ([{"path": "/a", "aliases": [1]}], "'aliases'"),
         ([{"path": "/a", "pooling": "max"}], "'pooling'"),
         ([{"path": "/a", "pinned": "false"}], "'pinned' must be true or false"),
@@ -79,19 +85,46 @@ def test_mistakes_in_the_models_are_named_at_start(tables, message):
         model_specs(Settings(model="/default-model", models=tables), "embedded")
 
 
-def test_the_example_settings_files_load():
+def test_a_true_for_a_number_at_the_settings_files_top_level_is_refused(tmp_path):
+    config = tmp_path / "s.toml"
+    for line, message in [("model_ttl = true", "expected a number, not true"),
+                          ("memory_budget = true", "not a size: true")]:  # fmt: skip
+        config.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_settings(config, {})
+
+
+def test_the_example_settings_files_load(tmp_path):
     root = Path(__file__).parents[2] / "configs"
     for name in ("server.example.toml", "models.example.toml"):
         settings = load_settings(root / name, {})
-        assert model_specs(settings, "embedded")
-    chat, fast, autocomplete = model_specs(load_settings(root / "models.example.toml", {}), "x")
+        check_paths(model_specs(settings, "embedded"))  # its header's command starts as it is
+    chat, fast = model_specs(load_settings(root / "models.example.toml", {}), "x")
     assert chat.pinned and fast.overrides["chat_template_kwargs"] == {"enable_thinking": False}
+    # Its commented-out GGUF table, uncommented, is a model too.
+    head, tail = (root / "models.example.toml").read_text().split("# [[models]]")
+    tail = "\n".join(line.removeprefix("# ") for line in ("[[models]]" + tail).splitlines())
+    (tmp_path / "m.toml").write_text(head + tail)
+    *_, autocomplete = model_specs(load_settings(tmp_path / "m.toml", {}), "x")
     assert autocomplete.path.endswith(".gguf") and autocomplete.id == "autocomplete"
+    assert autocomplete.overrides["default_max_tokens"] == 256 and autocomplete.ttl == 300
 
 
 def test_names_for_the_flags_model_are_refused_when_only_tables_name_models():
     with pytest.raises(ValueError, match="served_model_name names the model of --model"):
         model_specs(Settings(served_model_name="x", models=[{"path": "/a"}]), "embedded")
+
+
+def test_the_servers_sampling_and_cache_settings_apply_to_every_model_under_its_own():
+    base = Settings(temperature=0.2, default_max_tokens=99, context_length=1024, kv_bits=8)
+    first, second, third = model_specs(
+        Settings(model="/m/first", models=[{"path": "/m/x"}, {"path": "/m/y", "kv_bits": 4}]),
+        "embedded",
+    )
+    for spec in (first, second, third):  # as the README says: not the first model's alone
+        own = spec.settings(base)
+        assert (own.temperature, own.default_max_tokens, own.context_length) == (0.2, 99, 1024)
+    assert second.settings(base).kv_bits == 8 and third.settings(base).kv_bits == 4
 
 
 def test_a_models_template_variables_go_over_the_servers():
