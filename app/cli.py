@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="cpu_fast_path",
         action="store_false",
         default=None,
-        help="on the CPU, keep MLX's own attention softmax and SwiGLU (slower on Linux)",
+        help="on the CPU, keep MLX's own softmax, SwiGLU and logprobs (slower on Linux)",
     )
     serve.add_argument(
         "--kv-bits",
@@ -245,7 +245,8 @@ def serve(args: argparse.Namespace) -> int:
         (log.info if fast else log.warning)("CPU matmuls use %s", blas)
         log.info(
             "CPU fast path: %s",
-            "on where the model calls mlx-lm's attention and SwiGLU (--no-cpu-fast-path: off)"
+            "on where the model calls mlx-lm's attention and SwiGLU, and for logprobs"
+            " (--no-cpu-fast-path: off)"
             if settings.cpu_fast_path
             else "off: MLX's own kernels",
         )

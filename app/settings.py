@@ -54,7 +54,7 @@ class Settings:
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
     # On MLX's CPU device, the ops MLX's scalar exp slows (attention's softmax, the MLP's
-    # SwiGLU) through numpy: app/runtime/cpu_attention.py, cpu_activations.py.
+    # SwiGLU, the logits' normalization) through numpy: app/runtime/cpu_*.py.
     cpu_fast_path: bool = True
     kv_bits: int | None = None  # quantize the KV cache to this many bits; None: as the model
     kv_group_size: int = 64

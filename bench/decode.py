@@ -3,11 +3,12 @@
 Each server runs alone in turn (default model, OpenBLAS, `multiturn.start`). For each
 stream count (8, 16), that many unique short chats stream at once through the `openai`
 SDK, greedy, `--tokens` tokens each (the end token banned with logit_bias so every
-stream runs to the end). Reported: output tokens per second over the window in which
-all streams decode (the last first token to the first last token), and the streams'
-inter-token latency p50/p99 in that window; ours over the peer's.
+stream runs to the end); each server once a round, in alternating order. Reported:
+output tokens per second over the window in which all streams decode (the last first
+token to the first last token), and the streams' inter-token latency p50/p99 in that
+window; ours over the peer's.
 
-    python bench/decode.py [--streams 8,16] [--tokens 128]
+    python bench/decode.py [--streams 8,16] [--tokens 128] [--rounds 3] [--ours-at PATH]
 """
 
 from __future__ import annotations
@@ -69,27 +70,48 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", default="8,16")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="each server started once a round")
+    ap.add_argument("--ours-at", help="also run our server from this checkout (say, HEAD~1)")
     args = ap.parse_args()
     model = str(default_model_dir())
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(model).eos_token_id
     ban = {str(eos): -100}
-    results: dict[str, dict] = {}
-    for name in ("ours", "peer"):
-        with running(name, model, 64, BUDGET) as server:
-            url = f"http://127.0.0.1:{server.port}"
-            served = "bench" if name == "ours" else model
-            run(url, served, 2, 8, ban)  # warm-up: the first requests pay for loading
-            for n in (int(x) for x in args.streams.split(",")):
-                results.setdefault(name, {})[n] = run(url, served, n, args.tokens, ban)
-                print(name, n, results[name][n], flush=True)
-    for n in results["ours"]:
-        results["ours"][n]["over_peer"] = (
-            results["ours"][n]["tokens_per_s"] / results["peer"][n]["tokens_per_s"]
-        )
-    (RESULTS / "decode.json").write_text(json.dumps({"args": vars(args), **results}, indent=2))
-    print(json.dumps(results, indent=2))
+    servers = {"ours": "ours", "peer": "peer"}
+    if args.ours_at:
+        servers = {"ours": "ours", "ours (before)": f"ours@{args.ours_at}", "peer": "peer"}
+    rounds: dict[str, dict[int, list[dict]]] = {}
+    for r in range(args.rounds):
+        order = list(servers.items())
+        for name, kind in order if r % 2 == 0 else order[::-1]:  # neither always first
+            with running(kind, model, 64, BUDGET) as server:
+                url = f"http://127.0.0.1:{server.port}"
+                served = model if kind == "peer" else "bench"
+                run(url, served, 2, 8, ban)  # warm-up: the first requests pay for loading
+                for n in (int(x) for x in args.streams.split(",")):
+                    out = run(url, served, n, args.tokens, ban)
+                    rounds.setdefault(name, {}).setdefault(n, []).append(out)
+                    print(r, name, n, out, flush=True)
+    summary = {
+        name: {n: summarize(runs, rounds["peer"][n]) for n, runs in by_n.items()}
+        for name, by_n in rounds.items()
+    }
+    (RESULTS / "decode.json").write_text(
+        json.dumps({"args": vars(args), "summary": summary, "rounds": rounds}, indent=2)
+    )
+    print(json.dumps(summary, indent=2))
+
+
+def summarize(runs: list[dict], peer: list[dict]) -> dict:
+    """Medians over the rounds; over_peer: of the rounds' ratios (each round's runs were
+    minutes apart, so a ratio within a round is less exposed to the host's drift)."""
+    keys = ("tokens_per_s", "itl_p50_ms", "itl_p99_ms")
+    out = {k: statistics.median(run[k] for run in runs) for k in keys}
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs, peer, strict=True)]
+    out["over_peer"] = statistics.median(ratios)
+    out["over_peer_by_round"] = ratios
+    return out
 
 
 if __name__ == "__main__":

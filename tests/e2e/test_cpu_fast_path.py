@@ -1,6 +1,6 @@
 """With the CPU fast path (attention's softmax, the MLP's SwiGLU and the logits'
-normalization through numpy, on by default on the CPU), greedy output with the cache equals output without it, through the
-`openai` SDK."""
+normalization through numpy, on by default on the CPU), greedy output with the cache
+equals output without it, through the `openai` SDK."""
 
 from __future__ import annotations
 
