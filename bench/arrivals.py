@@ -65,7 +65,10 @@ async def measure(url: str, model: str, seed: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--ours-at", help="also run our server from this checkout (say, HEAD~1)")
+    ap.add_argument(
+        "--ours-at",
+        help="also run our server from this checkout folder (say, a worktree of HEAD~1)",
+    )
     args = ap.parse_args()
     model = str(default_model_dir())
     servers = {"ours": "ours", "peer": "peer"}

@@ -8,7 +8,7 @@ output tokens per second over the window in which all streams decode (the last f
 token to the first last token), and the streams' inter-token latency p50/p99 in that
 window; ours over the peer's.
 
-    python bench/decode.py [--streams 8,16] [--tokens 128] [--rounds 3] [--ours-at PATH]
+    python bench/decode.py [--streams 8,16] [--tokens 128] [--rounds 1] [--ours-at PATH]
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ def main() -> None:
     ap.add_argument("--streams", default="8,16")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1, help="each server started once a round")
-    ap.add_argument("--ours-at", help="also run our server from this checkout (say, HEAD~1)")
+    ap.add_argument(
+        "--ours-at",
+        help="also run our server from this checkout folder (say, a worktree of HEAD~1)",
+    )
     args = ap.parse_args()
     model = str(default_model_dir())
     from transformers import AutoTokenizer

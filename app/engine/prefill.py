@@ -50,9 +50,9 @@ def sample(
         context = mx.array(tokens, dtype=mx.int32)
         for processor in processors:
             logits = processor(context, logits)
-    # Normalized as mlx-lm's batch normalizes (through `runtime.cpu_logprobs` where that
-    # is installed), so a first token sampled here is drawn as the batch would draw it.
-    logprobs = logits - cpu_logprobs.generate.mx.logsumexp(logits, axis=-1, keepdims=True)
+    # As mlx-lm's batch normalizes where `cpu_logprobs` is installed (MLX's elsewhere: it
+    # is off, or not the CPU), so a first token is drawn here as the batch would draw it.
+    logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
     token = sampler(logprobs)
     mx.eval(token, logprobs)
     return token, logprobs

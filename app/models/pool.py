@@ -366,7 +366,7 @@ class ModelPool(Generic[S]):
                 f"The model '{spec.id}' could not be loaded: {e}", retry=False
             ) from e
         if self._closed:  # the server stopped while it loaded
-            await asyncio.to_thread(self.loader.close, served)
+            await asyncio.to_thread(self._close, spec.id, served)
             raise ModelUnavailable("The server is shutting down.")
         self._register(spec, served, time.perf_counter() - t0)
         # Counted before loading from its files, a model may measure more once loaded.

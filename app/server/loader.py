@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -78,7 +79,8 @@ class ModelLoader:
         """`group`: the processes of a sharded server (`sharded`), this one rank 0."""
         self.settings, self.metrics, self.names, self.group = settings, metrics, names, group
         self._kinds: dict[str, str] = {}
-        self._fetched: dict[str, str] = {}  # model id: its folder, fetched for its next open
+        self._fetched: dict[str, str] = {}  # model id: the folder it was fetched to
+        self._fetching = threading.Lock()
         self._stuck = False
 
     def settings_of(self, spec: ModelSpec) -> Settings:
@@ -105,15 +107,27 @@ class ModelLoader:
 
     def fetch(self, spec: ModelSpec) -> None:
         """Download a hub id, import a GGUF file: before the pool plans the model's room,
-        which then counts its weights as they will load, not a guess made without them."""
-        self._fetched[spec.id] = fetched_path(spec, log.info)
+        which then counts its weights as they will load, not a guess made without them.
+        Once per model, while its folder stays: a retry after a refusal asks no hub again."""
+        known = self._fetched.get(spec.id)
+        if known is not None and Path(known).exists():
+            return
+        here = local_folder(spec)
+        if here is not None and here.exists():  # nothing to download or import: no wait
+            self._fetched[spec.id] = fetched_path(spec, log.info)
+            return
+        # One download or import at a time: an import holds the converted weights outside
+        # the budget, and two downloads only share the bandwidth.
+        with self._fetching:
+            self._fetched[spec.id] = fetched_path(spec, log.info)
 
     def open(self, spec: ModelSpec) -> ServedModel:
         from .app import build_engine
 
         settings = self.settings_of(spec)
         # Fetched first (its files say what kind of model it is), as the pool does.
-        path = self._fetched.pop(spec.id, None) or fetched_path(spec, log.info)
+        self.fetch(spec)
+        path = self._fetched[spec.id]
         pooling = self._pooling(spec, Path(path))
         self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:

@@ -32,14 +32,15 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
 
     monkeypatch.setattr(cpu_activations, "_eligible", deciding)
     monkeypatch.setattr(cpu_attention, "attention", counting)
-    normalized, ours = [], cpu_logprobs.logsumexp
+    monkeypatch.setattr(cpu_logprobs, "MIN_ROWS", 0)  # one stream's steps too
+    normalized, normalizable = [], cpu_logprobs._eligible
 
-    def normalizing(a, axis=None, keepdims=False):
-        normalized.append(a.shape)
-        return ours(a, axis, keepdims)
+    def normalizing(*args):  # the normalization's choice of path, each call
+        normalized.append(normalizable(*args))
+        return normalized[-1]
 
     monkeypatch.setattr(cpu_logprobs.generate, "mx", mx)  # installed afresh, then undone
-    monkeypatch.setattr(cpu_logprobs, "logsumexp", normalizing)
+    monkeypatch.setattr(cpu_logprobs, "_eligible", normalizing)
     system = {"role": "system", "content": "You are a helpful assistant. " * 20}
     with (
         serving(str(tiny_model_dir), served_model_name="tiny") as cached,
@@ -62,4 +63,4 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
     assert usage.prompt_tokens_details.cached_tokens > 0
     assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
     assert taken and all(taken)  # every SwiGLU through numpy
-    assert len(normalized) >= generated  # every token of both servers' replies
+    assert len(normalized) >= generated and all(normalized)  # each token's, through numpy

@@ -383,3 +383,20 @@ def test_a_slow_fetch_holds_up_no_other_models_loads_or_unloads():
 
     run(main())
     assert loader.events[2:] == ["close a", "fetch c", "open c", "fetch b", "open b"]
+
+
+def test_a_model_loaded_as_the_server_stops_is_closed_even_if_its_close_fails():
+    p, loader = pool()
+    loader.gate.clear()
+    loader.close_fails.add("b")
+
+    async def main():
+        load = asyncio.ensure_future(p.load("b"))
+        await asyncio.sleep(0.1)  # b is loading
+        p.close()
+        loader.gate.set()
+        with pytest.raises(ModelUnavailable, match="shutting down"):  # not the close's error
+            await load
+
+    run(main())
+    assert loader.closed == ["b"] and p.loaded() == []

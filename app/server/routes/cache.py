@@ -143,8 +143,10 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
     engines = [m.engine for m in loaded.values() if m is not None and m.engine is not None]
     not_flushed = []
     if state.settings.cache_dir and not state.settings.no_cache:
-        not_flushed = [
-            s.id for s in specs if loaded[s.id] is None and state.models.loader.kind(s) == "chat"
+        not_flushed = [  # a kind not known yet (not downloaded) may still have a disk tier
+            s.id
+            for s in specs
+            if loaded[s.id] is None and state.models.loader.kind(s) != "embedding"
         ]
     cleared = 0
     for engine in engines:
