@@ -11,7 +11,8 @@ Each row is reduced on its own, so among steps of 3 streams or more a sequence's
 never depend on which others share its step. One or two rows stay with MLX: numpy would gain
 under a millisecond there, and its wait for the forward pass to finish would cost more, as it
 ends mlx-lm's overlap of the next step's forward pass with this step's output. The two
-normalizations differ in the last bits only; a greedy token is the largest logit either way.
+normalizations differ in the last bits only; a greedy token is the largest logit either way
+(unless subtracting rounds two logits into one).
 """
 
 from __future__ import annotations
