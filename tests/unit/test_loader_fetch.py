@@ -12,9 +12,7 @@ from app.server.loader import ModelLoader
 from app.settings import Settings
 
 
-def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(
-    tmp_path, monkeypatch
-):
+def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_path, monkeypatch):
     here = tmp_path / "here"
     here.mkdir()
     running, most, calls = [0], [0], []
