@@ -50,8 +50,8 @@ def sample(
         context = mx.array(tokens, dtype=mx.int32)
         for processor in processors:
             logits = processor(context, logits)
-    # As mlx-lm's batch normalizes where `cpu_logprobs` is installed (MLX's elsewhere: it
-    # is off, or not the CPU), so a first token is drawn here as the batch would draw it.
+    # One row: MLX's normalization (`cpu_logprobs` leaves one or two rows to it), as the
+    # batch's own for a step of one or two streams.
     logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
     token = sampler(logprobs)
     mx.eval(token, logprobs)

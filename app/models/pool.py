@@ -27,6 +27,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -121,6 +122,7 @@ class ModelPool(Generic[S]):
         self._blocked: dict[str, list[str]] = {}  # a load waiting for busy models' room
         self._closed = False
         self._changing = asyncio.Lock()
+        self._fetches = ThreadPoolExecutor(8, thread_name_prefix="model-fetch")
         self.loads: Counter[str] = Counter()
         self.unloads: Counter[str] = Counter()
         self.load_seconds: dict[str, float] = {}
@@ -258,6 +260,7 @@ class ModelPool(Generic[S]):
     def close(self) -> None:
         """Unload everything (at shutdown); a load still running is undone when it ends."""
         self._closed = True
+        self._fetches.shutdown(wait=False)  # a fetch under way ends on its own; none start
         for model_id in list(self._loaded):
             self._close(model_id, self._loaded.pop(model_id).served)
         self.loader.reclaim()
@@ -346,7 +349,9 @@ class ModelPool(Generic[S]):
 
     async def _fetch(self, spec: ModelSpec) -> None:
         try:
-            await asyncio.to_thread(self.loader.fetch, spec)
+            # Threads of their own: a fetch waiting for another model's download must not
+            # hold a worker the loop's executor gives every request's templating.
+            await asyncio.get_running_loop().run_in_executor(self._fetches, self.loader.fetch, spec)
         except Exception as e:
             log.exception("fetching model %s failed", spec.id)
             raise ModelUnavailable(

