@@ -3,6 +3,7 @@ is loaded, measured and unloaded for `ModelPool`."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -109,12 +110,10 @@ class ModelLoader:
         """Download a hub id, import a GGUF file: before the pool plans the model's room,
         which then counts its weights as they will load, not a guess made without them."""
         here = local_folder(spec)
-        if here is not None and _safetensors_bytes(here) > 0:  # no download or import to wait for
-            self._fetched[spec.id] = fetched_path(spec, log.info)
-            return
-        # One download or import at a time: an import holds the converted weights outside
-        # the budget, and two downloads only share the bandwidth.
-        with self._fetching:
+        on_disk = here is not None and _safetensors_bytes(here) > 0
+        # One download or import at a time (an import holds the converted weights outside
+        # the budget, and two downloads only share the bandwidth); a model on disk never waits.
+        with contextlib.nullcontext() if on_disk else self._fetching:
             self._fetched[spec.id] = fetched_path(spec, log.info)
 
     def open(self, spec: ModelSpec) -> ServedModel:
