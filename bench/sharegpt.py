@@ -12,7 +12,7 @@ Reported per server: TTFT median of first turns (cold: only the template's start
 reused) and of follow-ups (warm), cached share of the follow-ups' prompt tokens, and ours
 against the peer's.
 
-    python bench/sharegpt.py [--chats 8] [--turns 6] [--concurrency 4]
+    python bench/sharegpt.py [--chats 8] [--turns 6] [--concurrency 4] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-words", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=1, help="each server started once a round")
     ap.add_argument("--ours-at", help="also run our server from this checkout")
     args = ap.parse_args()
     chats = conversations(args.chats, args.turns, args.max_words)
@@ -108,24 +109,35 @@ def main() -> None:
     servers = {"ours": "ours", "peer": "peer"}
     if args.ours_at:
         servers = {"ours": "ours", "ours (before)": f"ours@{args.ours_at}", "peer": "peer"}
-    summary = {}
-    for name, kind in servers.items():
-        with running(kind, model, 64, BUDGET) as server:
-            url = f"http://127.0.0.1:{server.port}"
-            calls = asyncio.run(
-                workload(url, model if kind == "peer" else "bench", chats, args.concurrency)
-            )
-        summary[name] = summarize(calls)
-        print(name, summary[name], flush=True)
-    peer = summary["peer"]
-    for name, s in summary.items():
-        if name != "peer":
-            s["warm_vs_peer"] = s["warm_ttft_median"] / peer["warm_ttft_median"]
-            s["cold_vs_peer"] = s["cold_ttft_median"] / peer["cold_ttft_median"]
+    rounds: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        order = list(servers.items())
+        for name, kind in order if r % 2 == 0 else order[::-1]:  # neither always first
+            with running(kind, model, 64, BUDGET) as server:
+                url = f"http://127.0.0.1:{server.port}"
+                calls = asyncio.run(
+                    workload(url, model if kind == "peer" else "bench", chats, args.concurrency)
+                )
+            rounds.setdefault(name, []).append(summarize(calls))
+            print(r, name, rounds[name][-1], flush=True)
+    summary = {name: over_rounds(runs, rounds["peer"]) for name, runs in rounds.items()}
     (RESULTS / "sharegpt.json").write_text(
-        json.dumps({"args": vars(args), "summary": summary}, indent=2)
+        json.dumps({"args": vars(args), "summary": summary, "rounds": rounds}, indent=2)
     )
     print(json.dumps(summary, indent=2))
+
+
+def over_rounds(runs: list[dict], peer: list[dict]) -> dict:
+    """Medians over the rounds; the ratios to the peer are medians of the rounds' ratios
+    (a round's two runs are minutes apart; this host drifts by a quarter over longer)."""
+    out = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    if runs is not peer:
+        for kind in ("warm", "cold"):
+            key = f"{kind}_ttft_median"
+            ratios = [a[key] / b[key] for a, b in zip(runs, peer, strict=True)]
+            out[f"{kind}_vs_peer"] = statistics.median(ratios)
+            out[f"{kind}_vs_peer_rounds"] = ratios
+    return out
 
 
 if __name__ == "__main__":
