@@ -194,7 +194,7 @@ def serve(args: argparse.Namespace) -> int:
     from .models.default_model import NAME
     from .models.specs import check_paths, model_specs
     from .runtime.blas import describe as describe_blas
-    from .runtime.memory import limit_buffer_pool, unmap_large_blocks
+    from .runtime.memory import limit_buffer_pool
     from .server.app import create_app
     from .server.connections import uvicorn_config
     from .server.loader import fetched_path, model_pool
@@ -238,7 +238,6 @@ def serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"mlx-cache-server: {e}", file=sys.stderr)
             return 2
-    unmap_large_blocks()  # before the model's buffers are allocated
     limit_buffer_pool()
     blas, fast = describe_blas()
     if mx.default_device() == mx.cpu:

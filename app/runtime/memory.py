@@ -1,6 +1,11 @@
 """How freed memory goes back to the system: glibc's heaps and MLX's buffer pool.
 
-Measurements behind the settings here are in bench/README.md ("Memory").
+glibc's mmap threshold is left to adapt as glibc does by default. Pinned low, every
+multi-MiB block (a batch's KV, a long chunk's activations) is mapped afresh and
+freed to the system at once: peak RSS fell, but each prefill chunk faulted its
+activations in anew and a long prompt prefilled markedly slower. Heaps are trimmed
+when the engine idles instead. Measurements behind the settings here are in
+bench/README.md ("Memory", and "glibc's mmap threshold and long prompts").
 """
 
 from __future__ import annotations
@@ -45,27 +50,6 @@ def _load_libc() -> Any:
 
 
 _libc = _load_libc()
-_M_MMAP_THRESHOLD, _M_MMAP_MAX = -3, -4
-
-
-def unmap_large_blocks(threshold: int = 1 << 20, max_blocks: int = 32768) -> bool:
-    """Have glibc map every block of `threshold` bytes or more on its own, for the process.
-
-    glibc does that by default, but raises the threshold (up to 32 MiB) each time
-    such a block is freed; after that, a batch's multi-MiB KV buffers come from its
-    heaps, where freed ones stay resident. Pinned, they go back to the system when
-    freed. At 1 MiB, blocks the size of one turn's activations or a cache segment
-    still come from the heaps (the idle trim returns those); a lower threshold
-    made every turn fault them in afresh. Past `max_blocks` mapped blocks glibc
-    uses its heaps again, well under the kernel's limit on mappings (65530 by
-    default). Call it before loading the model; False where the C library is not
-    glibc.
-    """
-    if _libc is None:
-        return False
-    return bool(
-        _libc.mallopt(_M_MMAP_THRESHOLD, threshold) and _libc.mallopt(_M_MMAP_MAX, max_blocks)
-    )
 
 
 def limit_buffer_pool(limit: int = 4 << 20) -> bool:
