@@ -2,14 +2,23 @@
 
 Our server (default model, OpenBLAS preloaded, as `multiturn.start` runs it) gets, for
 each N, a conversation whose first turn (a short system prompt and question) is sent
-first, then a follow-up carrying about N new tokens; the follow-up's TTFT is taken
-through the `openai` SDK, with the tokens it reports as cached and prompt. The limit is
-measured afterwards in this process (medians of `--repeat` on both sides), on the same
-model set up as the server sets it up (the same CPU fast path): a cache holding that
-many tokens, then the new tokens prefilled in the server's chunks (512), then one
-decode step, each evaluated.
+first, then follow-ups carrying about N new tokens; a follow-up's TTFT is taken
+through the `openai` SDK, with the tokens it reports as cached and prompt. With
+`--ours-at`, our server from that checkout runs too, and the two take turns at each N.
+
+The limit, as the issue defines it, is the new tokens' prefill plus one decode step;
+it is measured right after each N's follow-ups, in this process while the servers
+idle (this host's speed drifts over minutes: the two sides of a ratio are measured
+together), on the same model with the same CPU fast path (attention and SwiGLU) and
+MLX's buffer pool limited as the server limits it (MLX's default pool prefills long
+prompts more slowly: bench/alloc_prefill.py): a cache holding that many tokens, the
+new tokens prefilled in the server's chunks (512; their logits never computed), then
+one decode step. Medians of `--repeat` on both sides. A prompt of one chunk the server
+prefills whole and samples from its last position (`prefill_alone`), with no decode
+step: it can come in under 1.0x.
 
     LD_PRELOAD=... python bench/ttft_floor.py [--new 100,250,500,2000,8000] [--repeat 3]
+        [--ours-at PATH]
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import asyncio
 import json
 import statistics
 import time
+from contextlib import ExitStack
+from typing import Any
 
 import mlx.core as mx
 from multiturn import RESULTS, Call, running, send, system_prompt
@@ -30,26 +41,24 @@ BUDGET = 4 * 1024**3
 CHUNK = 512
 
 
-async def follow_ups(url: str, sizes: list[int], repeat: int) -> list[Call]:
-    """Per size, the follow-up whose TTFT is the median of `repeat` (each its own words)."""
-    out = []
+async def follow_up(url: str, n: int, repeat: int) -> Call:
+    """The follow-up of about `n` new tokens whose TTFT is the median of `repeat` (each its
+    own words)."""
     async with AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600) as c:
-        for n in sizes:
-            first = [{"role": "system", "content": system_prompt(150, n)},
-                     {"role": "user", "content": "Hello."}]  # fmt: skip
-            call = Call("floor", 0, 0, 0, first)
-            await send(c, "bench", call, 8)
-            calls = []
-            for r in range(repeat):
-                new = {"role": "user", "content": system_prompt(int(n * 0.77), n + 1 + r)}
-                follow = [*first, {"role": "assistant", "content": call.reply}, new]
-                calls.append(Call("floor", 0, 1, 0, follow))
-                await send(c, "bench", calls[-1], 4)
-            out.append(sorted(calls, key=lambda x: x.ttft)[repeat // 2])
-    return out
+        first = [{"role": "system", "content": system_prompt(150, n)},
+                 {"role": "user", "content": "Hello."}]  # fmt: skip
+        call = Call("floor", 0, 0, 0, first)
+        await send(c, "bench", call, 8)
+        calls = []
+        for r in range(repeat):
+            new = {"role": "user", "content": system_prompt(int(n * 0.77), n + 1 + r)}
+            follow = [*first, {"role": "assistant", "content": call.reply}, new]
+            calls.append(Call("floor", 0, 1, 0, follow))
+            await send(c, "bench", calls[-1], 4)
+    return sorted(calls, key=lambda x: x.ttft)[repeat // 2]
 
 
-def floor_seconds(model, cached: int, new: int, repeat: int) -> float:
+def floor_seconds(model: Any, cached: int, new: int, repeat: int) -> float:
     """Prefill `new` tokens on `cached` in CHUNK-sized steps, then one decode step."""
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -63,39 +72,66 @@ def floor_seconds(model, cached: int, new: int, repeat: int) -> float:
         tokens = [100 + (i * 104729) % 40000 for i in range(new)]
         t0 = time.perf_counter()
         for at in range(0, new, CHUNK):
-            logits = model(mx.array([tokens[at : at + CHUNK]]), cache=cache)
+            model(mx.array([tokens[at : at + CHUNK]]), cache=cache)
             mx.eval([c.state for c in cache])
-        mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
         step = model(mx.array([[tokens[-1]]]), cache=cache)
         mx.eval(mx.argmax(step[:, -1, :], axis=-1))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
+def measure_size(model: Any, urls: dict[str, str], n: int, repeat: int, flip: bool) -> dict:
+    """Each server's follow-up of about `n` new tokens, then the floor of each distinct
+    (cached, new) pair they reported (their replies to the first turn may differ)."""
+    row: dict = {"asked": n}
+    for name in list(urls)[:: -1 if flip else 1]:  # neither always first
+        call = asyncio.run(follow_up(urls[name], n, repeat))
+        new = call.prompt_tokens - call.cached_tokens
+        row[name] = {"cached": call.cached_tokens, "new": new, "ttft": call.ttft}
+    floors: dict[tuple[int, int], float] = {}
+    for name in urls:
+        pair = (row[name]["cached"], row[name]["new"])
+        if pair not in floors:
+            floors[pair] = floor_seconds(model, *pair, repeat)
+        row[name]["floor"] = floors[pair]
+        row[name]["ratio"] = row[name]["ttft"] / floors[pair]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new", default="100,250,500,2000,8000")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ours-at", help="also run our server from this checkout, side by side")
     args = ap.parse_args()
-    sizes = [int(x) for x in args.new.split(",")]
-    model_dir = str(default_model_dir())
-    with running("ours", model_dir, 64, BUDGET) as server:
-        calls = asyncio.run(follow_ups(f"http://127.0.0.1:{server.port}", sizes, args.repeat))
     from mlx_lm import load
 
     from app.runtime import cpu_activations, cpu_attention
+    from app.runtime.blas import describe
+    from app.runtime.memory import limit_buffer_pool
 
+    blas, fast = describe()
+    if not fast:
+        print(f"warning: this process's matmuls use {blas}: the floor is too slow", flush=True)
+    model_dir = str(default_model_dir())
+    limit_buffer_pool()  # as the server, before the model's buffers: faster on long prompts
     model, _ = load(model_dir)
     cpu_attention.install(model)  # as build_engine does on the CPU
     cpu_activations.install(model)
+    floor_seconds(model, 64, 64, 1)  # the first forward passes in a process pay for warming up
+    kinds = {"ours": "ours"}
+    if args.ours_at:
+        kinds["ours (before)"] = f"ours@{args.ours_at}"
     rows = []
-    for n, call in zip(sizes, calls, strict=True):
-        new = call.prompt_tokens - call.cached_tokens
-        floor = floor_seconds(model, call.cached_tokens, new, args.repeat)
-        rows.append({"asked": n, "cached": call.cached_tokens, "new": new, "ttft": call.ttft,
-                     "floor": floor, "ratio": call.ttft / floor})  # fmt: skip
-        print(rows[-1], flush=True)
-    (RESULTS / "ttft_floor.json").write_text(json.dumps(rows, indent=2))
+    with ExitStack() as stack:
+        urls = {}
+        for name, kind in kinds.items():
+            server = stack.enter_context(running(kind, model_dir, 64, BUDGET))
+            urls[name] = f"http://127.0.0.1:{server.port}"
+        for i, n in enumerate(int(x) for x in args.new.split(",")):
+            rows.append(measure_size(model, urls, n, args.repeat, flip=i % 2 == 1))
+            print(rows[-1], flush=True)
+            (RESULTS / "ttft_floor.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
