@@ -58,22 +58,35 @@ async def follow_up(url: str, n: int, repeat: int) -> Call:
     return sorted(calls, key=lambda x: x.ttft)[repeat // 2]
 
 
-def floor_seconds(model: Any, cached: int, new: int, repeat: int) -> float:
-    """Prefill `new` tokens on `cached` in CHUNK-sized steps, then one decode step."""
+def cache_holding(model: Any, cached: int) -> list[Any]:
+    """A prompt cache holding `cached` made-up tokens, prefilled in CHUNK-sized steps."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    cache = make_prompt_cache(model)
+    prefill_chunks(model, cache, [100 + (i * 7919) % 40000 for i in range(cached)])
+    return cache
+
+
+def new_tokens(n: int) -> list[int]:
+    """`n` made-up tokens unlike those `cache_holding` put in."""
+    return [100 + (i * 104729) % 40000 for i in range(n)]
+
+
+def prefill_chunks(model: Any, cache: list[Any], tokens: list[int]) -> None:
+    """Run `tokens` into `cache` in CHUNK-sized steps, as the server does; their logits are
+    never evaluated, so never computed."""
+    for at in range(0, len(tokens), CHUNK):
+        model(mx.array([tokens[at : at + CHUNK]]), cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def floor_seconds(model: Any, cached: int, new: int, repeat: int) -> float:
+    """Prefill `new` tokens on `cached` in CHUNK-sized steps, then one decode step."""
     times = []
     for _ in range(repeat):
-        cache = make_prompt_cache(model)
-        held = [100 + (i * 7919) % 40000 for i in range(cached)]
-        for at in range(0, cached, CHUNK):
-            model(mx.array([held[at : at + CHUNK]]), cache=cache)
-            mx.eval([c.state for c in cache])
-        tokens = [100 + (i * 104729) % 40000 for i in range(new)]
+        cache, tokens = cache_holding(model, cached), new_tokens(new)
         t0 = time.perf_counter()
-        for at in range(0, new, CHUNK):
-            model(mx.array([tokens[at : at + CHUNK]]), cache=cache)
-            mx.eval([c.state for c in cache])
+        prefill_chunks(model, cache, tokens)
         step = model(mx.array([[tokens[-1]]]), cache=cache)
         mx.eval(mx.argmax(step[:, -1, :], axis=-1))
         times.append(time.perf_counter() - t0)
