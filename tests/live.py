@@ -8,8 +8,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Collection, Iterator
+from contextlib import ExitStack, contextmanager
 
 import httpx
 import uvicorn
@@ -26,6 +26,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(length: int, avoid: Collection[int] = ()) -> int:
+    """The first of `length` consecutive loopback ports that are free now and not in `avoid`.
+
+    `mlx.launch`'s ring backend binds `--starting-port` plus one per rank; a port from
+    `free_port` says nothing about its neighbour, which may be taken or be the HTTP port."""
+    for _ in range(200):
+        start = free_port()
+        ports = range(start, start + length)
+        if start + length > 65536 or any(port in avoid for port in ports):
+            continue
+        with ExitStack() as held:
+            try:
+                for port in ports:
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return start
+    raise RuntimeError(f"no {length} consecutive free loopback ports found")
 
 
 class LiveServer:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.live import free_port, serving
+from tests.live import free_port, free_port_run, serving
 from tests.tiny_model import build_tiny_model
 
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -49,8 +49,9 @@ def launched(model: Path, *flags: str, log: Path) -> Iterator[tuple[subprocess.P
     """`mlx.launch -n 2 -- mlx-cache-server serve ...`, as a user starts it; its URL once
     rank 0 answers."""
     port = free_port()
+    ring = free_port_run(2, {port})
     command = [
-        str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+        str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(ring),
         "--python", sys.executable, "--", "-m", "app", "serve", "--model", str(model),
         "--port", str(port), "--served-model-name", "tiny", *flags,
     ]  # fmt: skip
@@ -200,10 +201,12 @@ def test_a_rank_killed_mid_request_ends_in_errors_not_a_hang(models, tmp_path):
 
 def test_heads_that_do_not_split_over_the_processes_stop_the_start(tmp_path):
     model = build_tiny_model(tmp_path / "one-kv-head", num_key_value_heads=1)
+    port = free_port()
+    ring = free_port_run(2, {port})
     command = [
-        str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+        str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(ring),
         "--python", sys.executable, "--", "-m", "app", "serve", "--model", str(model),
-        "--port", str(free_port()),
+        "--port", str(port),
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
@@ -221,8 +224,9 @@ def test_a_request_after_a_rank_died_while_idle_gets_an_error(models, tmp_path):
     that finds out, and must end in an error, not wait. The ranks are started by hand, as
     `mlx.launch` would, but without it: it would stop rank 0 itself as soon as rank 1 died."""
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     port = free_port()
+    ring = free_port_run(2, {port})
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring + 1}"]]))
     command = [sys.executable, "-m", "app", "serve", "--model", str(models["tensor"]),
                "--port", str(port), "--served-model-name", "tiny"]  # fmt: skip
     ranks = [
