@@ -174,7 +174,7 @@ def test_a_busy_model_is_never_unloaded_the_load_waits_for_it():
 
 
 def test_waiting_for_room_is_bounded():
-    p, loader = pool(budget=50, load_timeout=0.3)
+    p, loader = pool(budget=50, load_timeout=1.0)
 
     async def main():
         async with p.use("a") as a:
