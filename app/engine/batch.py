@@ -97,9 +97,10 @@ class Batch:
         """A step's fixed cost, read low, and a prompt token's, read high: when unsure,
         prompts go one after another rather than make each other wait."""
         c = self.costs
-        if c.decode is None or c.per_token is None:
+        per_token = c.per_token(c.prefill[-1][0]) if c.prefill else None
+        if c.decode is None or per_token is None:
             return None, None
-        return min(c.decode, c.last_decode or c.decode), max(c.per_token, c.last_per_token)
+        return min(c.decode, c.last_decode or c.decode), per_token
 
     def _follow_prefilling(self) -> None:
         """Queued requests sharing a prefix with a prompt being prefilled wait for it
@@ -243,10 +244,13 @@ class Batch:
         self._start_queued()
         if not self.active:
             return
-        self.gen.prefill_step_size = self.chunk()
+        self.gen.prefill_step_size = chunk = self.chunk()
+        depth = self._prefill_depth(chunk)
         with self.gen.stats() as stats:  # mlx-lm's own counters, over this step
             prefills, responses = self.gen.next()
-        self.cost = Measured(stats.wall_time, stats.prompt_tokens, stats.generation_steps > 0)
+        self.cost = Measured(
+            stats.wall_time, stats.prompt_tokens, stats.generation_steps > 0, depth
+        )
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:
@@ -270,12 +274,22 @@ class Batch:
         largest chunk when none does. `budget`: what all the step's prompts share."""
         e = self.engine
         decoding = any(not r.prefilling for r in self.active.values())
-        prompts = 1 if budget else min(self.gen.prefill_batch_size, joining + sum(
-            1 for r in self.active.values() if r.prefilling
-        ))  # fmt: skip
+        prefilling = [r for r in self.active.values() if r.prefilling]
+        prompts = 1 if budget else min(self.gen.prefill_batch_size, joining + len(prefilling))
+        depth = max((len(r.tokens) - r.left for r in prefilling), default=0)
         return chunk_size(
-            self.costs, decoding, e.decode_gap, e.min_prefill_chunk, e.prefill_step_size, prompts
-        )
+            self.costs, decoding, e.decode_gap, e.min_prefill_chunk, e.prefill_step_size,
+            prompts, depth,
+        )  # fmt: skip
+
+    def _prefill_depth(self, chunk: int) -> float:
+        """The mean depth in their prompts of the tokens the next step prefills: what a
+        token of them cost is measured at it."""
+        prefilling = [r for r in self.active.values() if r.prefilling]
+        taken = [(len(r.tokens) - r.left, min(r.left, chunk)) for r in prefilling]
+        taken = taken[: self.gen.prefill_batch_size]
+        tokens = sum(n for _, n in taken)
+        return sum(n * (at + n / 2) for at, n in taken) / tokens if tokens else 0.0
 
     def _on_prefill(self, progress: Any) -> None:
         request = self.active.get(progress.uid)

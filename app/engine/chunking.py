@@ -8,44 +8,54 @@ seconds, the longest a stream should wait between two tokens, as vLLM's and SGLa
 chunked prefill bound a step by a token budget; with nothing decoding, the prompt
 gets the largest chunk, since nobody waits on it.
 
-The policy is pure (`chunk_size`); `StepCosts` keeps the measurements it reads:
-the decode step's time and the prefill's time per token, each a moving average
-(attention makes a token cost more the longer the prompt already prefilled: the
-average follows it).
+A prompt token costs more the deeper in its prompt it is: its attention reads every
+token before it. So a token's cost is read as a line in its depth, fitted to the
+recent steps' measurements (`StepCosts.per_token`), and a chunk's cost is the sum
+along that line from where the prompt stands. A single average would carry a deep
+prompt's cost over to the start of the next one (chunks too small) and lag behind a
+prompt going deeper (steps past the gap).
+
+The policy is pure (`chunk_size`); `StepCosts` keeps the measurements it reads.
 
 Invariants: the prompts prefilled in one step share the budget; together they get
 at least `min_chunk` tokens (progress even when decoding alone nearly fills the
 gap) and each at most `max_chunk`; with no measurement yet they share `min_chunk`
-while streams decode.
+while streams decode; the cost of a token never reads below the cheapest one measured.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections import deque
+from dataclasses import dataclass, field
 
-SMOOTHING = 0.3  # weight of the newest measurement in each moving average
+SMOOTHING = 0.3  # weight of the newest measurement in the decode step's moving average
 MIN_MEASURED = 16  # a step that prefilled fewer tokens says little about the cost of one
-OUTLIER = 4.0  # a measurement is taken as at most this many times the average
+OUTLIER = 4.0  # a measurement is taken as at most this many times what was expected
+WINDOW = 16  # prefill measurements the line is fitted to, the newest
+RECENCY = 0.7  # weight of each measurement relative to the next newer one
+MIN_SPREAD = 64  # tokens of depth the measurements must spread over to read a slope
 
 
 @dataclass
 class StepCosts:
-    """Moving averages of the costs, each read as at least its latest measurement: a cost
-    that just rose (a longer context, more streams) counts at once, one that fell slowly.
+    """What the steps measured: the decode step's time (a moving average, read as at least
+    its latest measurement) and the prefill's seconds per token at a depth in the prompt.
     Measurements are a step's wall time, what the running streams wait for."""
 
     decode: float | None = None  # seconds for one decode step of the running streams
-    per_token: float | None = None  # seconds per prefilled token
     last_decode: float = 0.0
-    last_per_token: float = 0.0
+    # (mean depth of the step's prompt tokens, seconds per token), oldest first
+    prefill: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def saw_decode(self, seconds: float) -> None:
         self.last_decode = _bounded(self.decode, seconds)
         self.decode = _average(self.decode, self.last_decode)
 
-    def saw_step(self, seconds: float, tokens: int, decoded: bool) -> None:
-        """A step that prefilled `tokens` (and decoded the running streams, if `decoded`)
-        in `seconds`: the prefill's share is what the decode step does not account for."""
+    def saw_step(self, seconds: float, tokens: int, decoded: bool, depth: float = 0.0) -> None:
+        """A step that prefilled `tokens` at a mean `depth` in their prompts (and decoded
+        the running streams, if `decoded`) in `seconds`: the prefill's share is what the
+        decode step does not account for."""
         if tokens == 0:
             if decoded:
                 self.saw_decode(seconds)
@@ -53,8 +63,38 @@ class StepCosts:
         if tokens < MIN_MEASURED:
             return
         prefill = seconds - (max(self.decode or 0.0, 0.0) if decoded else 0.0)
-        self.last_per_token = _bounded(self.per_token, max(prefill, 0.0) / tokens)
-        self.per_token = _average(self.per_token, self.last_per_token)
+        self.prefill.append((depth, _bounded(self.per_token(depth), max(prefill, 0.0) / tokens)))
+
+    def line(self) -> tuple[float, float] | None:
+        """(seconds per token at depth 0, seconds more per token of depth): least squares
+        over the measurements, the newer weighing more. No slope unless they spread over
+        `MIN_SPREAD` tokens of depth, and none falling (a stall among shallow steps)."""
+        if not self.prefill:
+            return None
+        n = len(self.prefill)
+        weights = [RECENCY ** (n - 1 - i) for i in range(n)]
+        total = sum(weights)
+        mean_d = sum(w * d for w, (d, _) in zip(weights, self.prefill, strict=True)) / total
+        mean_c = sum(w * c for w, (_, c) in zip(weights, self.prefill, strict=True)) / total
+        var = sum(w * (d - mean_d) ** 2 for w, (d, _) in zip(weights, self.prefill, strict=True))
+        if var / total < MIN_SPREAD**2:
+            return mean_c, 0.0
+        cov = sum(
+            w * (d - mean_d) * (c - mean_c) for w, (d, c) in zip(weights, self.prefill, strict=True)
+        )
+        slope = max(cov / var, 0.0)
+        return mean_c - slope * mean_d, slope
+
+    def per_token(self, depth: float) -> float | None:
+        """Seconds a prompt token at `depth` costs: on the line, and at least the newest
+        measurement carried along its slope (a cost that just rose counts at once)."""
+        line = self.line()
+        if line is None:
+            return None
+        base, slope = line
+        newest_d, newest_c = self.prefill[-1]
+        cheapest = min(c for _, c in self.prefill)
+        return max(base + slope * depth, newest_c + slope * (depth - newest_d), cheapest)
 
 
 def chunk_size(
@@ -64,24 +104,37 @@ def chunk_size(
     min_chunk: int,
     max_chunk: int,
     prompts: int = 1,
+    depth: float = 0.0,
 ) -> int:
-    """Tokens each of `prompts` prompts may prefill in the next step: together, within the
-    gap while streams decode (mlx-lm gives every prompt being prefilled its own chunk)."""
+    """Tokens each of `prompts` prompts, the deepest `depth` tokens into its prompt, may
+    prefill in the next step: together, within the gap while streams decode (mlx-lm gives
+    every prompt being prefilled its own chunk)."""
     prompts = max(1, prompts)
     floor = max(1, min_chunk // prompts)
     if not decoding:
         return max_chunk
-    if not costs.per_token:
+    first = costs.per_token(depth)
+    line = costs.line()
+    if first is None or line is None:
         return floor
-    room = target_gap - max(costs.decode or 0.0, costs.last_decode)
-    per_token = max(costs.per_token, costs.last_per_token)
-    return max(floor, min(max_chunk, int(room / per_token / prompts)))
+    if first <= 0:
+        return max_chunk
+    room = (target_gap - max(costs.decode or 0.0, costs.last_decode)) / prompts
+    if room <= 0:
+        return floor
+    # c tokens from `depth` cost c * first + slope * c^2 / 2: the largest c within room.
+    slope = line[1]
+    if slope > 0:
+        fits = (math.sqrt(first * first + 2 * slope * room) - first) / slope
+    else:
+        fits = room / first
+    return max(floor, min(max_chunk, int(fits)))
 
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
-def _bounded(average: float | None, new: float) -> float:
+def _bounded(expected: float | None, new: float) -> float:
     # One stall (a collection, a page fault storm) must not shrink chunks for long.
-    return new if average is None else min(new, OUTLIER * average)
+    return new if expected is None else min(new, OUTLIER * expected)

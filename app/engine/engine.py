@@ -265,7 +265,7 @@ class Engine:
                     memory.release_memory()
                 if batch is not None and inputs.measured is not None:
                     m = inputs.measured
-                    batch.costs.saw_step(m.seconds, m.prompt_tokens, m.decoded)
+                    batch.costs.saw_step(m.seconds, m.prompt_tokens, m.decoded, m.depth)
                 new, self._requeued = [*self._requeued, *inputs.new], []
                 if new:
                     batch = batch or self._new_batch()

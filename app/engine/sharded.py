@@ -145,7 +145,7 @@ def _handover(inputs: StepInputs, digest: tuple[int, ...]) -> dict[str, Any]:
         "now": inputs.now,
         "new": [_wire(r) for r in inputs.new],
         "cancelled": [r.rid for r in inputs.cancelled],
-        "measured": (m.seconds, m.prompt_tokens, m.decoded) if m is not None else None,
+        "measured": (m.seconds, m.prompt_tokens, m.decoded, m.depth) if m is not None else None,
         "flush": inputs.flush,
         "release": inputs.release,
         "stop": inputs.stop,

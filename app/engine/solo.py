@@ -143,7 +143,8 @@ class Solo:
             if prompt is not None:
                 start = time.perf_counter()
                 tokens = self._guarded(prompt, self._prefill) or 0
-                self.costs.saw_step(time.perf_counter() - start, tokens, decoded=False)
+                depth = len(prompt.fed) - tokens / 2
+                self.costs.saw_step(time.perf_counter() - start, tokens, False, depth)
 
     def _guarded(self, run: _Run, fn: Callable[[_Run], int | None]) -> int | None:
         request = run.request
@@ -170,7 +171,7 @@ class Solo:
         at = len(run.fed)
         decoding = any(not r.prefilling for r in self.runs.values())
         chunk = chunk_size(self.costs, decoding, engine.decode_gap, engine.min_prefill_chunk,
-                           engine.prefill_step_size)  # fmt: skip
+                           engine.prefill_step_size, depth=at)  # fmt: skip
         if len(tokens) - at > chunk:
             engine.model(mx.array(tokens[at : at + chunk])[None], cache=run.cache)
             mx.eval([c.state for c in run.cache])

@@ -35,6 +35,7 @@ class Measured:
     seconds: float
     prompt_tokens: int
     decoded: bool
+    depth: float = 0.0  # mean depth in their prompts of the tokens prefilled
 
 
 @dataclass

@@ -4,47 +4,101 @@ from __future__ import annotations
 
 from app.engine.chunking import StepCosts, chunk_size
 
+GAP = 0.8
 
-def policy(costs: StepCosts, decoding: bool = True, prompts: int = 1) -> int:
-    return chunk_size(costs, decoding, target_gap=0.8, min_chunk=32, max_chunk=512, prompts=prompts)
+
+def policy(costs: StepCosts, decoding: bool = True, prompts: int = 1, depth: float = 0) -> int:
+    return chunk_size(costs, decoding, GAP, min_chunk=32, max_chunk=512, prompts=prompts,
+                      depth=depth)  # fmt: skip
+
+
+def costs_of(decode: float, *per_token: tuple[float, float]) -> StepCosts:
+    """Costs that measured a decode step of `decode` seconds, then prefill steps of 100
+    tokens at each (depth, seconds per token), in order."""
+    costs = StepCosts()
+    costs.saw_decode(decode)
+    for depth, seconds in per_token:
+        costs.saw_step(seconds * 100, 100, decoded=False, depth=depth)
+    return costs
 
 
 def test_nobody_decoding_gets_the_largest_chunk():
-    assert policy(StepCosts(decode=0.1, per_token=0.01), decoding=False) == 512
+    assert policy(costs_of(0.1, (0, 0.01)), decoding=False) == 512
 
 
 def test_while_streams_decode_a_step_fits_the_gap():
-    costs = StepCosts(decode=0.23, per_token=0.0047)  # 0.57 s left: 121 tokens
-    assert policy(costs) == 121
-    assert policy(StepCosts(decode=0.01, per_token=0.0001)) == 512
+    assert policy(costs_of(0.23, (0, 0.0047))) == 121  # 0.57 s left: 121 tokens
+    assert policy(costs_of(0.01, (0, 0.0001))) == 512
 
 
 def test_prompts_prefilled_together_share_the_step():
-    costs = StepCosts(decode=0.23, per_token=0.0047)
+    costs = costs_of(0.23, (0, 0.0047))
     assert policy(costs, prompts=4) == 30  # 4 x 30 tokens: the same 0.57 s
-    slow = StepCosts(decode=0.9, per_token=0.01)  # decoding alone takes the whole gap
+    slow = costs_of(0.9, (0, 0.01))  # decoding alone takes the whole gap
     assert policy(slow, prompts=1) == 32 and policy(slow, prompts=4) == 8  # 32 tokens a step
 
 
 def test_before_any_measurement_the_step_prefills_the_least():
     assert policy(StepCosts()) == 32 and policy(StepCosts(), prompts=3) == 10
+    assert policy(costs_of(0.1)) == 32  # a decode step alone says nothing of a prompt token
 
 
 def test_a_cost_that_just_rose_counts_at_once_a_stall_only_so_much():
-    costs = StepCosts()
-    for _ in range(20):
-        costs.saw_step(0.1, 0, decoded=True)  # decode-only steps: 0.1 s
-        costs.saw_step(0.6, 100, decoded=True)  # 0.5 s of it prefill: 5 ms a token
-    assert abs(costs.per_token - 0.005) < 1e-9 and policy(costs) == 140
-    costs.saw_step(1.1, 100, decoded=True)  # the prompt grew: 10 ms a token now
+    costs = costs_of(0.1, *[(0, 0.005)] * 20)  # 5 ms a token
+    assert abs(costs.per_token(0) - 0.005) < 1e-9 and policy(costs) == 140
+    costs.saw_step(1.0, 100, decoded=False)  # the host got slower: 10 ms a token now
     assert policy(costs) == 70
-    costs.saw_step(60.0, 100, decoded=True)  # a stall: counted as 4x the average at most
-    assert costs.last_per_token <= 4 * 0.0066
+    costs.saw_step(60.0, 100, decoded=False)  # a stall: counted as 4x the expected at most
+    assert costs.prefill[-1][1] <= 4 * 0.01 + 1e-12
 
 
 def test_steps_that_prefill_a_few_tokens_are_not_measured():
     costs = StepCosts()
     costs.saw_step(0.3, 4, decoded=True)  # a prompt's last few tokens beside the decode
-    assert costs.per_token is None
+    assert costs.per_token(0) is None
     costs.saw_step(0.2, 0, decoded=False)  # nothing ran
     assert costs.decode is None
+
+
+def fake_cost(depth: float) -> float:
+    """Seconds per prompt token on a made-up machine: attention reads every token before."""
+    return 0.002 + 1e-6 * depth
+
+
+def test_a_tokens_cost_is_a_line_in_its_depth():
+    costs = costs_of(0.08, *[(d, fake_cost(d)) for d in (100, 400, 700, 1000, 1300)])
+    base, slope = costs.line()
+    assert abs(base - 0.002) < 1e-9 and abs(slope - 1e-6) < 1e-12
+    # A prompt starting afresh is not charged the deep tokens' cost it measured last, nor
+    # less than the cheapest token measured (the line is not followed below it).
+    assert abs(costs.per_token(700) - fake_cost(700)) < 1e-9
+    assert abs(costs.per_token(0) - fake_cost(100)) < 1e-9
+    assert policy(costs, depth=0) > policy(costs, depth=2000) > 0
+    flat = costs_of(0.08, (1300, fake_cost(1300)))  # what an average of the deep end reads
+    assert policy(costs, depth=0) > policy(flat, depth=0)
+
+
+def test_measurements_at_one_depth_give_no_slope_and_a_falling_one_is_read_flat():
+    costs = costs_of(0.08, (500, 0.003), (510, 0.004), (520, 0.003))
+    assert costs.line()[1] == 0.0
+    shallow_stall = costs_of(0.08, (0, 0.009), (1000, 0.003))  # cheaper deeper: noise
+    assert shallow_stall.line()[1] == 0.0
+    assert shallow_stall.per_token(0) >= 0.003  # never below the cheapest measured
+
+
+def test_a_long_prefill_beside_decoding_fills_each_step_and_never_overruns_it():
+    """A 6,000-token prompt prefilled beside streams that decode in 0.08 s, the chunk each
+    step sized from what the steps before measured, on the made-up machine."""
+    decode, at, steps = 0.08, 0, []
+    costs = costs_of(decode)
+    while at < 6000:
+        chunk = min(policy(costs, depth=at), 6000 - at)
+        prefill = sum(fake_cost(at + i) for i in range(chunk))
+        costs.saw_step(decode + prefill, chunk, decoded=True, depth=at + chunk / 2)
+        steps.append(decode + prefill)
+        at += chunk
+    # From the third step on, a line is fitted (one measurement gives no slope); the last
+    # step is what was left of the prompt.
+    fitted = steps[2:-1]
+    assert max(fitted) <= GAP + 1e-9, [round(s, 3) for s in steps]
+    assert min(fitted) >= 0.97 * GAP, [round(s, 3) for s in steps]
