@@ -1,16 +1,17 @@
 """Running streams while a long prompt prefills: ours against mlx_lm.server.
 
-Each server runs alone in turn (same model, OpenBLAS, same cache limits). First two
-long unique prompts (`--words`, 2000) are sent to the idle server, one after the
-other: their mean TTFT is the reference, a long prompt's TTFT alone.
-Then `--streams` (4) streams start decoding (greedy, up to 400 tokens), and once
-each has sent a few tokens, another long unique prompt of the same length arrives.
-Reported: the longest gap between two tokens of any running stream while the long
-prompt prefills (from its arrival to its first token), the streams' inter-token
-latency p50/p99 over that window, and the long prompt's TTFT beside the streams
-against its TTFT alone.
+Each server runs alone in turn (same model, OpenBLAS, same cache limits), for `--rounds`
+rounds. Each round, a long unique prompt (`--words`, 2000) is sent to the idle server:
+its TTFT is the reference, a long prompt's TTFT alone. Then `--streams` (4) streams
+start decoding (greedy, up to 400 tokens), and once each has sent a few tokens, another
+long unique prompt of the same length arrives. Reported per round: the longest gap
+between two tokens of any running stream while the long prompt prefills (from its
+arrival to its first token), the streams' inter-token latency p50/p99 over that
+window, and the long prompt's TTFT beside the streams against the round's TTFT alone;
+overall, the median of the rounds' figures and the longest gap of any round. The
+reference is taken in the same round since this host drifts over minutes.
 
-    python bench/mixed.py [--words 2000] [--streams 4]
+    python bench/mixed.py [--words 2000] [--streams 4] [--rounds 1] [--servers ours,peer]
 """
 
 from __future__ import annotations
@@ -64,28 +65,39 @@ def stream_times(client: OpenAI, model: str, i: int, out: list[float], ready: th
 
 
 def measure(kind: str, model: str, args) -> dict:
+    """`--rounds` rounds on one server: each a fresh long prompt alone, then another beside
+    the streams; the figures of each round, and the median of the rounds'."""
     name = "bench" if kind != "peer" else model
+    rounds = []
     with running(kind, model, 64, BUDGET) as server:
         client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", timeout=3600)
         first_token(client, name, [{"role": "user", "content": "Hi."}])  # warm up
-        # Two different prompts of the same length, alone: the reference is their mean.
-        alone = statistics.mean(first_token(client, name, long_prompt(args.words, seed))
-                                for seed in (1, 3))  # fmt: skip
-        times: list[list[float]] = [[] for _ in range(args.streams)]
-        readies = [threading.Event() for _ in range(args.streams)]
-        threads = [
-            threading.Thread(target=stream_times, args=(client, name, i, times[i], readies[i]))
-            for i in range(args.streams)
-        ]
-        for t in threads:
-            t.start()
-        for r in readies:
-            r.wait()
-        arrival = time.perf_counter()
-        beside = first_token(client, name, long_prompt(args.words, 2))
-        end = arrival + beside
-        for t in threads:
-            t.join()
+        for r in range(args.rounds):
+            rounds.append(one_round(client, name, args, seeds=(10 * r + 1, 10 * r + 2)))
+            print(kind, r, {k: round(v, 3) for k, v in rounds[-1].items() if v is not None})
+    out = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
+    out["longest_gap"] = max(x["longest_gap"] for x in rounds)
+    return out | {"rounds": rounds}
+
+
+def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
+    """A long prompt's TTFT alone, then another's beside the streams, and their gaps."""
+    alone = first_token(client, name, long_prompt(args.words, seeds[0]))
+    times: list[list[float]] = [[] for _ in range(args.streams)]
+    readies = [threading.Event() for _ in range(args.streams)]
+    threads = [
+        threading.Thread(target=stream_times, args=(client, name, i, times[i], readies[i]))
+        for i in range(args.streams)
+    ]
+    for t in threads:
+        t.start()
+    for r in readies:
+        r.wait()
+    arrival = time.perf_counter()
+    beside = first_token(client, name, long_prompt(args.words, seeds[1]))
+    end = arrival + beside
+    for t in threads:
+        t.join()
     gaps = []
     for ts in times:
         window = [t for t in ts if arrival <= t <= end]
@@ -108,10 +120,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--words", type=int, default=2000)
     ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--servers", default="ours,peer", help="ours, peer, ours@PATH (a checkout)")
     ap.add_argument("--out", type=Path, default=RESULTS / "mixed.json")
     args = ap.parse_args()
     model = str(default_model_dir())
-    result = {kind: measure(kind, model, args) for kind in ("ours", "peer")}
+    result = {kind: measure(kind, model, args) for kind in args.servers.split(",")}
     result["settings"] = vars(args) | {"out": str(args.out)}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
