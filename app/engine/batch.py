@@ -94,8 +94,8 @@ class Batch:
                 return
 
     def _step_and_token_costs(self) -> tuple[float | None, float | None]:
-        """A step's fixed cost, read low, and a prompt token's, read high: when unsure,
-        prompts go one after another rather than make each other wait."""
+        """A step's fixed cost, read low, and a prompt token's at the depth last measured:
+        when unsure, prompts go one after another rather than make each other wait."""
         c = self.costs
         per_token = c.per_token(c.prefill[-1][0]) if c.prefill else None
         if c.decode is None or per_token is None:
@@ -178,7 +178,7 @@ class Batch:
         # Prefilling here holds up the batch's decoding until done: for one step's
         # worth of tokens that is what BatchGenerator does too. A longer prompt goes in
         # chunks, so that shorter ones arriving meanwhile can start beside it.
-        short = len(tokens) - n <= self.chunk(joining=1)
+        short = len(tokens) - n <= self.chunk(joining=1, depth=n)
         if alone and not request.followers and short:
             self._start_alone(request, cached or fresh_cache(engine.model), n, sampler, processors)
             return
@@ -268,28 +268,32 @@ class Batch:
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
         self._drop_faulted()
 
-    def chunk(self, joining: int = 0, budget: bool = False) -> int:
+    def chunk(self, joining: int = 0, budget: bool = False, depth: int = 0) -> int:
         """Prompt tokens each prompt may prefill in the next step (with `joining` more about
-        to join them): within the decode gap while streams decode (`chunking`), the
-        largest chunk when none does. `budget`: what all the step's prompts share."""
+        to join them, `depth` tokens into their prompts): within the decode gap while
+        streams decode (`chunking`), the largest chunk when none does. `budget`: what all
+        the step's prompts share."""
         e = self.engine
         decoding = any(not r.prefilling for r in self.active.values())
         prefilling = [r for r in self.active.values() if r.prefilling]
         prompts = 1 if budget else min(self.gen.prefill_batch_size, joining + len(prefilling))
-        depth = max((len(r.tokens) - r.left for r in prefilling), default=0)
+        depth = max([depth, *(len(r.tokens) - r.left for r in prefilling)])
         return chunk_size(
             self.costs, decoding, e.decode_gap, e.min_prefill_chunk, e.prefill_step_size,
             prompts, depth,
         )  # fmt: skip
 
     def _prefill_depth(self, chunk: int) -> float:
-        """The mean depth in their prompts of the tokens the next step prefills: what a
-        token of them cost is measured at it."""
-        prefilling = [r for r in self.active.values() if r.prefilling]
-        taken = [(len(r.tokens) - r.left, min(r.left, chunk)) for r in prefilling]
+        """Where the tokens the next step prefills stand in their prompts, as their cost is
+        measured at: mlx-lm pads the prompts of a step to the deepest one, so every token
+        costs about what the deepest prompt's do. A prompt's last token is not prefilled
+        (it starts the decoding)."""
+        prefilling = [r for r in self.active.values() if r.prefilling and r.left > 1]
+        taken = [(len(r.tokens) - r.left, min(r.left - 1, chunk)) for r in prefilling]
         taken = taken[: self.gen.prefill_batch_size]
-        tokens = sum(n for _, n in taken)
-        return sum(n * (at + n / 2) for at, n in taken) / tokens if tokens else 0.0
+        if not taken:
+            return 0.0
+        return max(at for at, _ in taken) + max(n for _, n in taken) / 2
 
     def _on_prefill(self, progress: Any) -> None:
         request = self.active.get(progress.uid)

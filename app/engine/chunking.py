@@ -15,12 +15,17 @@ along that line from where the prompt stands. A single average would carry a dee
 prompt's cost over to the start of the next one (chunks too small) and lag behind a
 prompt going deeper (steps past the gap).
 
+A line read beyond the depths it was fitted to is a guess: there a chunk is at most
+twice the largest measured (each step measures the next depth), and a prompt starting
+far deeper than anything measured (a long cached prefix) takes the smallest chunk first.
+
 The policy is pure (`chunk_size`); `StepCosts` keeps the measurements it reads.
 
 Invariants: the prompts prefilled in one step share the budget; together they get
 at least `min_chunk` tokens (progress even when decoding alone nearly fills the
 gap) and each at most `max_chunk`; with no measurement yet they share `min_chunk`
-while streams decode; the cost of a token never reads below the cheapest one measured.
+while streams decode; a measurement is positive; the cost of a token never reads
+below the cheapest one measured.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ MIN_MEASURED = 16  # a step that prefilled fewer tokens says little about the co
 OUTLIER = 4.0  # a measurement is taken as at most this many times what was expected
 WINDOW = 16  # prefill measurements the line is fitted to, the newest
 RECENCY = 0.7  # weight of each measurement relative to the next newer one
-MIN_SPREAD = 64  # tokens of depth the measurements must spread over to read a slope
+MIN_SPREAD = 64  # the measurements' weighted standard deviation of depth to read a slope
 
 
 @dataclass
@@ -45,8 +50,8 @@ class StepCosts:
 
     decode: float | None = None  # seconds for one decode step of the running streams
     last_decode: float = 0.0
-    # (mean depth of the step's prompt tokens, seconds per token), oldest first
-    prefill: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    # (mean depth of the step's prompt tokens, seconds per token, tokens), oldest first
+    prefill: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def saw_decode(self, seconds: float) -> None:
         self.last_decode = _bounded(self.decode, seconds)
@@ -63,7 +68,16 @@ class StepCosts:
         if tokens < MIN_MEASURED:
             return
         prefill = seconds - (max(self.decode or 0.0, 0.0) if decoded else 0.0)
-        self.prefill.append((depth, _bounded(self.per_token(depth), max(prefill, 0.0) / tokens)))
+        if prefill <= 0:  # within the decode step's own spread: says nothing of a token
+            return
+        cost = prefill / tokens
+        if depth <= self.deepest():  # a guess beyond the line is no measure of a stall
+            cost = _bounded(self.per_token(depth), cost)
+        self.prefill.append((depth, cost, tokens))
+
+    def deepest(self) -> float:
+        """The deepest measured depth; -1 with no measurement."""
+        return max((d for d, _, _ in self.prefill), default=-1.0)
 
     def line(self) -> tuple[float, float] | None:
         """(seconds per token at depth 0, seconds more per token of depth): least squares
@@ -74,14 +88,13 @@ class StepCosts:
         n = len(self.prefill)
         weights = [RECENCY ** (n - 1 - i) for i in range(n)]
         total = sum(weights)
-        mean_d = sum(w * d for w, (d, _) in zip(weights, self.prefill, strict=True)) / total
-        mean_c = sum(w * c for w, (_, c) in zip(weights, self.prefill, strict=True)) / total
-        var = sum(w * (d - mean_d) ** 2 for w, (d, _) in zip(weights, self.prefill, strict=True))
+        points = [(w, d, c) for w, (d, c, _) in zip(weights, self.prefill, strict=True)]
+        mean_d = sum(w * d for w, d, _ in points) / total
+        mean_c = sum(w * c for w, _, c in points) / total
+        var = sum(w * (d - mean_d) ** 2 for w, d, _ in points)
         if var / total < MIN_SPREAD**2:
             return mean_c, 0.0
-        cov = sum(
-            w * (d - mean_d) * (c - mean_c) for w, (d, c) in zip(weights, self.prefill, strict=True)
-        )
+        cov = sum(w * (d - mean_d) * (c - mean_c) for w, d, c in points)
         slope = max(cov / var, 0.0)
         return mean_c - slope * mean_d, slope
 
@@ -92,8 +105,8 @@ class StepCosts:
         if line is None:
             return None
         base, slope = line
-        newest_d, newest_c = self.prefill[-1]
-        cheapest = min(c for _, c in self.prefill)
+        newest_d, newest_c, _ = self.prefill[-1]
+        cheapest = min(c for _, c, _ in self.prefill)
         return max(base + slope * depth, newest_c + slope * (depth - newest_d), cheapest)
 
 
@@ -115,10 +128,9 @@ def chunk_size(
         return max_chunk
     first = costs.per_token(depth)
     line = costs.line()
-    if first is None or line is None:
-        return floor
-    if first <= 0:
-        return max_chunk
+    deepest = costs.deepest()
+    if first is None or line is None or depth > 2 * deepest + max_chunk:
+        return floor  # nothing measured, or nothing near this depth
     room = (target_gap - max(costs.decode or 0.0, costs.last_decode)) / prompts
     if room <= 0:
         return floor
@@ -128,6 +140,8 @@ def chunk_size(
         fits = (math.sqrt(first * first + 2 * slope * room) - first) / slope
     else:
         fits = room / first
+    if depth + fits > deepest:  # past the measured depths: grow by steps, each measured
+        fits = min(fits, 2 * max(n for _, _, n in costs.prefill))
     return max(floor, min(max_chunk, int(fits)))
 
 
@@ -137,4 +151,4 @@ def _average(old: float | None, new: float) -> float:
 
 def _bounded(expected: float | None, new: float) -> float:
     # One stall (a collection, a page fault storm) must not shrink chunks for long.
-    return new if expected is None else min(new, OUTLIER * expected)
+    return new if not expected or expected <= 0 else min(new, OUTLIER * expected)

@@ -35,7 +35,7 @@ class Measured:
     seconds: float
     prompt_tokens: int
     decoded: bool
-    depth: float = 0.0  # mean depth in their prompts of the tokens prefilled
+    depth: float = 0.0  # where the step's prompt tokens stand in their prompts (`Batch`)
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 from app.engine.chunking import StepCosts, chunk_size
 
 GAP = 0.8
@@ -28,7 +31,9 @@ def test_nobody_decoding_gets_the_largest_chunk():
 
 def test_while_streams_decode_a_step_fits_the_gap():
     assert policy(costs_of(0.23, (0, 0.0047))) == 121  # 0.57 s left: 121 tokens
-    assert policy(costs_of(0.01, (0, 0.0001))) == 512
+    cheap = costs_of(0.01)
+    cheap.saw_step(512 * 0.0001, 512, decoded=False, depth=256)  # a whole chunk measured
+    assert policy(cheap) == 512
 
 
 def test_prompts_prefilled_together_share_the_step():
@@ -97,8 +102,26 @@ def test_a_long_prefill_beside_decoding_fills_each_step_and_never_overruns_it():
         costs.saw_step(decode + prefill, chunk, decoded=True, depth=at + chunk / 2)
         steps.append(decode + prefill)
         at += chunk
-    # From the third step on, a line is fitted (one measurement gives no slope); the last
-    # step is what was left of the prompt.
-    fitted = steps[2:-1]
-    assert max(fitted) <= GAP + 1e-9, [round(s, 3) for s in steps]
-    assert min(fitted) >= 0.97 * GAP, [round(s, 3) for s in steps]
+    shown = [round(s, 3) for s in steps]
+    assert max(steps) <= GAP + 1e-9, shown  # the first steps too: they grow by measured steps
+    assert statistics.median(steps) >= 0.97 * GAP, shown
+    assert len(steps) <= math.ceil(sum(steps) / GAP) + 4, shown  # a few steps to grow into it
+
+
+def test_a_step_faster_than_the_decode_average_is_no_measurement():
+    costs = costs_of(0.1)
+    costs.saw_step(0.09, 32, decoded=True)  # 32 tokens beside a decode that varies: <= 0
+    assert not costs.prefill and policy(costs) == 32
+    costs.saw_step(0.6, 100, decoded=True)  # a real one still counts
+    assert abs(costs.per_token(0) - 0.005) < 1e-9 and policy(costs) == 140
+
+
+def test_past_the_measured_depths_a_chunk_grows_by_steps():
+    costs = costs_of(0.08, (16, 0.0005))  # one small chunk measured, and cheap
+    assert policy(costs, depth=32) == 200  # 2 x its 100 tokens, not the 512 it would afford
+    # A prompt with a long cached prefix, far deeper than anything measured (short prompts
+    # only, so no slope to read): the smallest chunk first, which measures the cost there.
+    shallow = costs_of(0.08, *[(d, fake_cost(d)) for d in (100, 110, 120)])
+    assert shallow.line()[1] == 0.0
+    assert policy(shallow, depth=30_000) == 32
+    assert policy(shallow, depth=100) > 32

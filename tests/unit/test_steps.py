@@ -113,11 +113,11 @@ def test_a_follower_gets_the_leaders_requests_seeds_cancellations_and_costs(wire
     assert got.new[0].cache_key == "m"
 
     sampled.cancel()
-    leader.measured(Measured(0.25, 64, True))
+    leader.measured(Measured(0.25, 64, True, 1234.5))
     leader.next(busy=True)
     got = follower.next(busy=True)
     assert [r.rid for r in got.cancelled] == [sampled.rid]
-    assert got.measured == Measured(0.25, 64, True)
+    assert got.measured == Measured(0.25, 64, True, 1234.5)
 
 
 def test_an_idle_leader_with_nothing_new_sends_nothing(wire):
