@@ -50,7 +50,7 @@ class StepCosts:
 
     decode: float | None = None  # seconds for one decode step of the running streams
     last_decode: float = 0.0
-    # (mean depth of the step's prompt tokens, seconds per token, tokens), oldest first
+    # (depth the step's prompt tokens stood at, seconds per token, tokens), oldest first
     prefill: deque[tuple[float, float, int]] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def saw_decode(self, seconds: float) -> None:
@@ -58,7 +58,7 @@ class StepCosts:
         self.decode = _average(self.decode, self.last_decode)
 
     def saw_step(self, seconds: float, tokens: int, decoded: bool, depth: float = 0.0) -> None:
-        """A step that prefilled `tokens` at a mean `depth` in their prompts (and decoded
+        """A step that prefilled `tokens` at `depth` in their prompts (and decoded
         the running streams, if `decoded`) in `seconds`: the prefill's share is what the
         decode step does not account for."""
         if tokens == 0:
@@ -81,8 +81,9 @@ class StepCosts:
 
     def line(self) -> tuple[float, float] | None:
         """(seconds per token at depth 0, seconds more per token of depth): least squares
-        over the measurements, the newer weighing more. No slope unless they spread over
-        `MIN_SPREAD` tokens of depth, and none falling (a stall among shallow steps)."""
+        over the measurements, the newer weighing more. No slope unless their depths'
+        weighted standard deviation reaches `MIN_SPREAD` tokens, and none falling (a stall
+        among shallow steps)."""
         if not self.prefill:
             return None
         n = len(self.prefill)
