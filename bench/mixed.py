@@ -5,11 +5,11 @@ rounds. Each round, a long unique prompt (`--words`, 2000) is sent to the idle s
 its TTFT is the reference, a long prompt's TTFT alone. Then `--streams` (4) streams
 start decoding (greedy, up to 400 tokens), and once each has sent a few tokens, another
 long unique prompt of the same length arrives. Reported per round: the longest gap
-between two tokens of any running stream while the long prompt prefills (from its
-arrival to its first token), the streams' inter-token latency p50/p99 over that
-window, and the long prompt's TTFT beside the streams against the round's TTFT alone;
-overall, the median of the rounds' figures and the longest gap of any round. The
-reference is taken in the same round since this host drifts over minutes.
+between two tokens of any running stream while the long prompt prefills and joins them
+(from its arrival to its fourth and last token), the streams' inter-token latency
+p50/p99 over that window, and the long prompt's TTFT beside the streams against the
+round's TTFT alone; overall, the median of the rounds' figures and the longest gap of
+any round. The reference is taken in the same round since this host drifts over minutes.
 
     python bench/mixed.py [--words 2000] [--streams 4] [--rounds 1] [--servers ours,peer]
 """
@@ -39,7 +39,9 @@ def long_prompt(words: int, seed: int) -> list[dict]:
     return [{"role": "user", "content": f"{text}\n\nSummarize the text above in one line."}]
 
 
-def first_token(client: OpenAI, model: str, messages: list[dict]) -> float:
+def first_token(client: OpenAI, model: str, messages: list[dict]) -> tuple[float, float]:
+    """The reply's TTFT, and when its last token came (a few tokens in: it has joined the
+    running streams' batch by then)."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=4, temperature=0, stream=True
@@ -48,7 +50,7 @@ def first_token(client: OpenAI, model: str, messages: list[dict]) -> float:
     for chunk in stream:
         if ttft is None and chunk.choices and chunk.choices[0].delta.content:
             ttft = time.perf_counter() - t0
-    return ttft or time.perf_counter() - t0
+    return ttft or time.perf_counter() - t0, time.perf_counter()
 
 
 def stream_times(client: OpenAI, model: str, i: int, out: list[float], ready: threading.Event):
@@ -82,7 +84,7 @@ def measure(kind: str, model: str, args) -> dict:
 
 def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
     """A long prompt's TTFT alone, then another's beside the streams, and their gaps."""
-    alone = first_token(client, name, long_prompt(args.words, seeds[0]))
+    alone, _ = first_token(client, name, long_prompt(args.words, seeds[0]))
     times: list[list[float]] = [[] for _ in range(args.streams)]
     readies = [threading.Event() for _ in range(args.streams)]
     threads = [
@@ -94,8 +96,7 @@ def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
     for r in readies:
         r.wait()
     arrival = time.perf_counter()
-    beside = first_token(client, name, long_prompt(args.words, seeds[1]))
-    end = arrival + beside
+    beside, end = first_token(client, name, long_prompt(args.words, seeds[1]))
     for t in threads:
         t.join()
     gaps = []

@@ -3,7 +3,8 @@
 Owned by the engine thread alone. A request enters through `intake` and waits in
 `queue` until `schedule.choose` starts it (shortest prompt first, with a bounded
 wait); admitted (planned by `admission.plan_admission`), it is prefilled on its
-own (`prefill.prefill_alone`) or with others by the generator, yields one token
+own (`prefill.prefill_alone`) or with others by the generator in chunks (the last
+one on its own again when it is the only prompt left: `_last_chunk`), yields one token
 per step (`output`), and leaves finished, stopped, cancelled or failed; its KV goes
 into the prompt cache on the way out, and a shared prefix as soon as it is prefilled.
 
@@ -17,6 +18,7 @@ that request only.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -198,20 +200,24 @@ class Batch:
         self.active[request.uid] = request
         self._replan = True
 
-    def _start_alone(self, request: Request, cache: list, n: int, sampler, processors) -> None:
+    def _start_alone(self, request: Request, cache: list, n: int, sampler, processors) -> float:
+        """Prefill the prompt after its first `n` tokens in `cache` and sample its first
+        token, then let it decode; the seconds the prefill took."""
         engine, tokens = self.engine, request.tokens
+        start = time.perf_counter()
         with mx.stream(self.gen.stream):
             first, logprobs = prefill_alone(
                 engine.model, tokens, cache, n, engine.prefill_step_size, sampler, processors
             )
+        seconds = time.perf_counter() - start
         if request.fault is not None:
             self._fail_faulted(request)
-            return
+            return seconds
         finish = "stop" if first in engine.tokenizer.eos_token_ids else None
         if finish is None and request.params.max_tokens <= 1:
             finish = "length"
         if self._deliver(request, first, logprobs, finish, lambda: (cache, tokens)):
-            return
+            return seconds
         (request.uid,) = self.gen.insert(
             [[first]],
             max_tokens=[request.params.max_tokens - 1],
@@ -224,6 +230,7 @@ class Batch:
         # Cached now, not only when it ends: requests that arrived during this
         # prefill (chats opening with this system prompt, say) reuse it at once.
         self._store(request, (cache, tokens))
+        return seconds
 
     def _release(self, leader: Request) -> None:
         """Admit those waiting for `leader`'s prefix: it is cached, or will never be."""
@@ -246,11 +253,10 @@ class Batch:
             return
         self.gen.prefill_step_size = chunk = self.chunk()
         depth = self._prefill_depth(chunk)
+        last = self._last_chunk(chunk)
+        taken = self.gen.remove([last.uid], return_prompt_caches=True) if last else {}
         with self.gen.stats() as stats:  # mlx-lm's own counters, over this step
             prefills, responses = self.gen.next()
-        self.cost = Measured(
-            stats.wall_time, stats.prompt_tokens, stats.generation_steps > 0, depth
-        )
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:
@@ -266,7 +272,50 @@ class Batch:
                 return r.prompt_cache, r.all_tokens
 
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
+        seconds, prompt_tokens = stats.wall_time, stats.prompt_tokens
+        if last is not None:  # after the streams' tokens are out: they need not wait for it
+            prompt_tokens += last.left
+            seconds += self._finish_prefill(last, *taken[last.uid])
+        self.cost = Measured(seconds, prompt_tokens, stats.generation_steps > 0, depth)
         self._drop_faulted()
+
+    def _last_chunk(self, chunk: int) -> Request | None:
+        """The prompt whose prefill ends with this step, if it is the only one prefilling
+        and no request waits for a prefix boundary still ahead in it.
+
+        It is taken out of the batch and finished alone (`_finish_prefill`): its first
+        token comes from its last chunk's logits, not from a one-token step after it, and
+        reaches the client before the join with the decoding streams, which copies the
+        whole batch's KV (bench/README.md, "Running streams beside a long prefill").
+        """
+        prefilling = [r for r in self.active.values() if r.prefilling]
+        if len(prefilling) != 1:
+            return None
+        (request,) = prefilling
+        done = len(request.tokens) - request.left
+        if request.left > chunk or (request.followers and request.boundary > done):
+            return None
+        return request
+
+    def _finish_prefill(self, request: Request, cache: list[Any], tokens: list[int]) -> float:
+        """Prefill the rest of `request`'s prompt after the KV `cache` holds for `tokens`,
+        then let it decode (`_start_alone`); the seconds its prefill took."""
+        del self.active[request.uid]
+        request.prefilling, request.left = False, 0
+        try:
+            sampler, processors = request.sampling()
+            seconds = self._start_alone(request, cache, len(tokens), sampler, processors)
+        except Exception:  # this request fails; the batch runs on (as in `_admit`)
+            log.exception("finishing a prompt's prefill failed")
+            if self.active.pop(request.uid, None) is not None:  # back in the batch already
+                self.gen.remove([request.uid])
+            followers, request.followers = request.followers, []
+            self.engine.fail([request], "Generation failed on the server. Retry.")
+            for follower in followers:
+                self.engine.requeue(follower)
+            return 0.0
+        self._release(request)  # those waiting for its prefix: it is cached now
+        return seconds
 
     def chunk(self, joining: int = 0, budget: bool = False, depth: int = 0) -> int:
         """Prompt tokens each prompt may prefill in the next step (with `joining` more about

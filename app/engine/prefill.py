@@ -4,8 +4,9 @@
 token with a separate one-token decode step; on a bandwidth-bound machine that
 step costs as much as prefilling dozens of tokens. A request admitted on its
 own whose uncached prompt fits in one step skips it here, then joins the batch
-with its first token as its prompt (a longer one goes through the batch in
-chunks, so that prompts arriving meanwhile can start beside it).
+with its first token as its prompt. A longer one goes through the batch in
+chunks, so that prompts arriving meanwhile can start beside it, and comes back
+here for its last chunk when no other prompt is prefilling (`Batch._last_chunk`).
 Requests admitted together keep the batched path, which prefills them in one
 forward pass. (bench/README.md, "First token", has the measurements.)
 """

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from app.engine import Delta, Finished, SamplingParams, Started
+from app.engine import Delta, Failed, Finished, SamplingParams, Started
 from app.server import build_engine
 from app.settings import Settings
 from tests.helpers import ended, wait_until
@@ -44,8 +44,10 @@ def test_a_long_prompt_prefills_in_chunks_between_the_running_streams_tokens(tin
     first = order.index(("long", Delta))
     between = [n for n, kind in order[started:first] if kind is Delta]
     chunks = -(-len(long_prompt) // engine.min_prefill_chunk)
-    # The running stream got a token with every chunk of the long prompt's prefill.
-    assert between.count("running") >= chunks - 1
+    # The running stream got a token with every chunk of the long prompt's prefill, and the
+    # long prompt's first token came with its last chunk's step: not after a one-token step
+    # for its last token and the step that joins it to the running stream's batch.
+    assert chunks - 1 <= between.count("running") <= chunks
     assert ("running", Finished) not in order[:first]
 
 
@@ -109,3 +111,32 @@ def test_prompts_prefilled_together_beside_a_stream_share_one_steps_budget(tiny_
     prefills = [b * t for b, t in shapes if t > 1]
     assert sum(prefills) >= 3 * 899  # all three were prefilled in these passes
     assert max(prefills) <= engine.min_prefill_chunk  # together, within one step's least
+
+
+def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch, caplog):
+    import app.engine.batch as batch_module
+
+    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
+    tokens = engine.tokenizer.encode("Tell me a long story about the sea. ")
+    no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
+    running: list[Any] = []
+    long: list[Any] = []
+    engine.start()
+    try:
+        engine.submit(tokens, SamplingParams(max_tokens=3000, logit_bias=no_end), running.append)
+        wait_until(lambda: sum(isinstance(e, Delta) for e in running) > 3)
+
+        def broken(*args: Any, **kwargs: Any) -> Any:  # the long prompt's last chunk only
+            raise RuntimeError("out of memory (simulated)")
+
+        monkeypatch.setattr(batch_module, "prefill_alone", broken)
+        engine.submit((tokens * 20)[:300], SamplingParams(max_tokens=4), long.append)
+        wait_until(lambda: ended(long))
+        after = len(running)
+        wait_until(lambda: len(running) > after + 3)  # the stream runs on
+        failed = engine.stats.failed  # (stopping the engine fails the stream)
+    finally:
+        engine.stop()
+    assert any(isinstance(e, Failed) for e in long) and not any(isinstance(e, Delta) for e in long)
+    assert not ended(running[:after])
+    assert failed == 1 and "simulated" in caplog.text
