@@ -39,12 +39,18 @@ def long_prompt(words: int, seed: int) -> list[dict]:
     return [{"role": "user", "content": f"{text}\n\nSummarize the text above in one line."}]
 
 
-def first_token(client: OpenAI, model: str, messages: list[dict]) -> tuple[float, float]:
-    """The reply's TTFT, and when its last token came (a few tokens in: it has joined the
-    running streams' batch by then)."""
+def first_token(client: OpenAI, model: str, messages: list[dict], ban: dict) -> tuple[float, float]:
+    """The reply's TTFT, and when its last token came: the end of the reply is banned
+    (`ban`, this model often answers these prompts with it at once), so the reply runs to
+    its fourth token and joins the running streams' batch first."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=4, temperature=0, stream=True
+        model=model,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_body={"logit_bias": ban},
     )
     ttft = None
     for chunk in stream:
@@ -73,7 +79,7 @@ def measure(kind: str, model: str, args) -> dict:
     rounds = []
     with running(kind, model, 64, BUDGET) as server:
         client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", timeout=3600)
-        first_token(client, name, [{"role": "user", "content": "Hi."}])  # warm up
+        first_token(client, name, [{"role": "user", "content": "Hi."}], args.ban)  # warm up
         for r in range(args.rounds):
             rounds.append(one_round(client, name, args, seeds=(10 * r + 1, 10 * r + 2)))
             print(kind, r, {k: round(v, 3) for k, v in rounds[-1].items() if v is not None})
@@ -84,7 +90,7 @@ def measure(kind: str, model: str, args) -> dict:
 
 def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
     """A long prompt's TTFT alone, then another's beside the streams, and their gaps."""
-    alone, _ = first_token(client, name, long_prompt(args.words, seeds[0]))
+    alone, _ = first_token(client, name, long_prompt(args.words, seeds[0]), args.ban)
     times: list[list[float]] = [[] for _ in range(args.streams)]
     readies = [threading.Event() for _ in range(args.streams)]
     threads = [
@@ -96,7 +102,7 @@ def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
     for r in readies:
         r.wait()
     arrival = time.perf_counter()
-    beside, end = first_token(client, name, long_prompt(args.words, seeds[1]))
+    beside, end = first_token(client, name, long_prompt(args.words, seeds[1]), args.ban)
     for t in threads:
         t.join()
     gaps = []
@@ -126,6 +132,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "mixed.json")
     args = ap.parse_args()
     model = str(default_model_dir())
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+    args.ban = {} if eos is None else {str(eos): -100}
     result = {kind: measure(kind, model, args) for kind in args.servers.split(",")}
     result["settings"] = vars(args) | {"out": str(args.out)}
     args.out.write_text(json.dumps(result, indent=1))

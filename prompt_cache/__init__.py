@@ -2,7 +2,7 @@
 
 from .compat import LRUPromptCache
 from .disk import DiskTier
-from .joined import fresh_cache
+from .joined import as_fresh, fresh_cache
 from .manager import CacheStats, Fetched, PromptCache
 from .radix import PackedTokens
 
@@ -13,5 +13,6 @@ __all__ = [
     "LRUPromptCache",
     "PackedTokens",
     "PromptCache",
+    "as_fresh",
     "fresh_cache",
 ]

@@ -102,6 +102,18 @@ def fresh_cache(model: Any) -> list[Any]:
     return [FreshKVCache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
 
 
+def as_fresh(cache: list[Any]) -> list[Any]:
+    """`cache` with its plain KV layers as `FreshKVCache`s holding the same KV: a sequence
+    taken out of a batch joins one again without a copy, as one from `fresh_cache` does."""
+    return [_fresh(c) if type(c) is KVCache else c for c in cache]
+
+
+def _fresh(c: KVCache) -> FreshKVCache:
+    fresh = FreshKVCache()
+    fresh.keys, fresh.values, fresh.offset = c.keys, c.values, c.offset
+    return fresh
+
+
 class ViewBatchKVCache(BatchKVCache):
     """mlx-lm's batch cache, handing a sequence's KV out as views of its buffer.
 

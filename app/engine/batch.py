@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from prompt_cache import fresh_cache
+from prompt_cache import as_fresh, fresh_cache
 
 from .admission import plan_admission
 from .chunking import StepCosts, chunk_size
@@ -274,8 +274,9 @@ class Batch:
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
         seconds, prompt_tokens = stats.wall_time, stats.prompt_tokens
         if last is not None:  # after the streams' tokens are out: they need not wait for it
-            prompt_tokens += last.left
-            seconds += self._finish_prefill(last, *taken[last.uid])
+            left, took = last.left, self._finish_prefill(last, *taken[last.uid])
+            if took is not None:  # not failed: a measurement
+                seconds, prompt_tokens = seconds + took, prompt_tokens + left
         self.cost = Measured(seconds, prompt_tokens, stats.generation_steps > 0, depth)
         self._drop_faulted()
 
@@ -297,14 +298,16 @@ class Batch:
             return None
         return request
 
-    def _finish_prefill(self, request: Request, cache: list[Any], tokens: list[int]) -> float:
+    def _finish_prefill(
+        self, request: Request, cache: list[Any], tokens: list[int]
+    ) -> float | None:
         """Prefill the rest of `request`'s prompt after the KV `cache` holds for `tokens`,
-        then let it decode (`_start_alone`); the seconds its prefill took."""
+        then let it decode (`_start_alone`); the seconds its prefill took, None if it failed."""
         del self.active[request.uid]
         request.prefilling, request.left = False, 0
         try:
             sampler, processors = request.sampling()
-            seconds = self._start_alone(request, cache, len(tokens), sampler, processors)
+            seconds = self._start_alone(request, as_fresh(cache), len(tokens), sampler, processors)
         except Exception:  # this request fails; the batch runs on (as in `_admit`)
             log.exception("finishing a prompt's prefill failed")
             if self.active.pop(request.uid, None) is not None:  # back in the batch already
@@ -313,7 +316,7 @@ class Batch:
             self.engine.fail([request], "Generation failed on the server. Retry.")
             for follower in followers:
                 self.engine.requeue(follower)
-            return 0.0
+            return None
         self._release(request)  # those waiting for its prefix: it is cached now
         return seconds
 
@@ -335,8 +338,8 @@ class Batch:
     def _prefill_depth(self, chunk: int) -> float:
         """Where the tokens the next step prefills stand in their prompts, as their cost is
         measured at: mlx-lm pads the prompts of a step to the deepest one, so every token
-        costs about what the deepest prompt's do. A prompt's last token is not prefilled
-        (it starts the decoding)."""
+        costs about what the deepest prompt's do. A prompt's last token is left out: the
+        batch runs it as a decode step, `_last_chunk` with the rest of the prompt."""
         prefilling = [r for r in self.active.values() if r.prefilling and r.left > 1]
         taken = [(len(r.tokens) - r.left, min(r.left - 1, chunk)) for r in prefilling]
         taken = taken[: self.gen.prefill_batch_size]

@@ -140,3 +140,4 @@ def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch,
     assert any(isinstance(e, Failed) for e in long) and not any(isinstance(e, Delta) for e in long)
     assert not ended(running[:after])
     assert failed == 1 and "simulated" in caplog.text
+    assert "finishing a prompt's prefill failed" in caplog.text  # there, not at its admission

@@ -505,3 +505,23 @@ def test_a_fresh_cache_joins_the_batch_without_a_copy_and_is_stored_as_a_plain_o
     _decode_step(batch)
     mx.eval([(b.keys, b.values) for b in batch])
     assert mx.get_peak_memory() - before < len(tokens) * BYTES_PER_TOKEN // 8
+
+
+def test_a_cache_taken_out_of_a_batch_joins_one_again_without_a_copy():
+    from prompt_cache import as_fresh
+
+    tokens = [t % 1000 for t in range((1 << 16) - 100)]  # room left in its last block
+    plain = kv_cache(tokens)
+    taken = [type(c)() for c in plain]  # as a batch's `extract` hands it out: plain layers
+    for layer in range(len(plain)):
+        taken[layer].update_and_fetch(plain[layer].keys, plain[layer].values)
+    mx.eval([c.state for c in taken])
+    again = as_fresh(taken)
+    assert same_state(again, plain)
+    del taken
+    before = _reset_peak()
+    batch = [type(c).merge([c]) for c in again]
+    del again
+    _decode_step(batch)
+    mx.eval([(b.keys, b.values) for b in batch])
+    assert mx.get_peak_memory() - before < len(tokens) * BYTES_PER_TOKEN // 8
