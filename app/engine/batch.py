@@ -351,6 +351,11 @@ class Batch:
         request = self.active.get(progress.uid)
         if request is None:
             return
+        if not request.prefilling:
+            # Prefilled alone (`_start_alone`) and cached then: this is its first token
+            # entering the batch. Storing it again would only copy the same KV, and reading
+            # it from the batch would make this step evaluate the batch's join.
+            return
         done, total = progress.progress
         request.left = total - done
         if progress.end_of_prompt:

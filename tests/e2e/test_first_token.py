@@ -166,3 +166,22 @@ def test_a_long_lone_prompt_is_prefilled_in_steps(tiny_model_dir):
     # token (`Batch._last_chunk`): no one-token step for it before it decodes.
     chunks = [n for n in counting.calls if n > 1]
     assert sum(chunks) == len(p) and max(chunks) == 16
+
+
+def test_a_prompt_prefilled_alone_is_cached_once_before_it_ends(tiny_model_dir):
+    engine = build_engine(Settings(), str(tiny_model_dir))
+    stored: list[int] = []  # tokens of each state put into the cache
+    insert = engine.cache.insert
+
+    def counting(key: Any, tokens: Any, kv: Any) -> Any:
+        stored.append(tokens.n_tokens if hasattr(tokens, "n_tokens") else len(tokens))
+        return insert(key, tokens, kv)
+
+    engine.cache.insert = counting
+    p = prompt(engine.tokenizer, QUESTIONS[1])
+    no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
+    (sink,) = collect(engine, [p], SamplingParams(max_tokens=5, logit_bias=no_end), False)
+    assert finished(sink).reason == "length"
+    # Once prefilled (a request sharing it starts from it), once ended: not again when its
+    # first token enters the batch, which would copy the same KV out of the batch.
+    assert stored == [len(p), len(p) + 5]
