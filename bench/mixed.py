@@ -83,9 +83,16 @@ def measure(kind: str, model: str, args) -> dict:
         for r in range(args.rounds):
             rounds.append(one_round(client, name, args, seeds=(10 * r + 1, 10 * r + 2)))
             print(kind, r, {k: round(v, 3) for k, v in rounds[-1].items() if v is not None})
-    out = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
-    out["longest_gap"] = max(x["longest_gap"] for x in rounds)
+    # A round in which no stream sent a token has no gaps (None): left out, not a crash.
+    out = {key: _median([x[key] for x in rounds]) for key in rounds[0]}
+    gaps = [x["longest_gap"] for x in rounds if x["longest_gap"] is not None]
+    out["longest_gap"] = max(gaps) if gaps else None
     return out | {"rounds": rounds}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
