@@ -153,13 +153,20 @@ class Batch:
     def _admit(self, request: Request, alone: bool) -> None:
         try:
             self._start(request, alone)
-        except Exception:  # this request fails; the batch runs on (sharded: on every rank
-            # alike, or the next step's handover finds the ranks apart: `step_digest`)
+        except Exception:
             log.exception("admitting a request failed")
-            followers, request.followers = request.followers, []
-            self.engine.fail([request], "Generation failed on the server. Retry.")
-            for follower in followers:  # other users' requests: they wait for a prefix only
-                self.engine.requeue(follower)
+            self._fail_start(request)
+
+    def _fail_start(self, request: Request) -> None:
+        """Fail a request whose start (its admission, its last chunk) raised; the batch runs
+        on (sharded: on every rank alike, or the next step's handover finds the ranks apart:
+        `step_digest`)."""
+        if self.active.pop(request.uid, None) is not None:  # in the batch already
+            self.gen.remove([request.uid])
+        followers, request.followers = request.followers, []
+        self.engine.fail([request], "Generation failed on the server. Retry.")
+        for follower in followers:  # other users' requests: they wait for a prefix only
+            self.engine.requeue(follower)
 
     def _start(self, request: Request, alone: bool) -> None:
         engine = self.engine
@@ -308,14 +315,9 @@ class Batch:
         try:
             sampler, processors = request.sampling()
             seconds = self._start_alone(request, as_fresh(cache), len(tokens), sampler, processors)
-        except Exception:  # this request fails; the batch runs on (as in `_admit`)
+        except Exception:
             log.exception("finishing a prompt's prefill failed")
-            if self.active.pop(request.uid, None) is not None:  # back in the batch already
-                self.gen.remove([request.uid])
-            followers, request.followers = request.followers, []
-            self.engine.fail([request], "Generation failed on the server. Retry.")
-            for follower in followers:
-                self.engine.requeue(follower)
+            self._fail_start(request)
             return None
         self._release(request)  # those waiting for its prefix: it is cached now
         return seconds
