@@ -7,12 +7,15 @@ own (`prefill.prefill_alone`) or with others by the generator in chunks (the las
 one on its own again when it is the only prompt left: `_last_chunk`), yields one token
 per step (`output`), and leaves finished, stopped, cancelled or failed; its KV goes
 into the prompt cache on the way out, and a shared prefix as soon as it is prefilled.
+A sequence prefilled on its own decodes in a second generator, the side batch, when
+joining the main one would pad it mostly with nothing (`placement`).
 
 Invariants: `active` maps the generator's uid of every admitted, unended request
-to it; `queue` holds the requests taken and not yet admitted, with when they came;
-a request that leaves `active` or `queue` has been ended (`Request.end`) or
-admitted; a failure that belongs to one request (its sampling, its admission) ends
-that request only.
+to it, the side batch's uids from `SIDE_UIDS` on and the main one's below; prompts
+are prefilled in the main batch only; `queue` holds the requests taken and not yet
+admitted, with when they came; a request that leaves `active` or `queue` has been
+ended (`Request.end`) or admitted; a failure that belongs to one request (its
+sampling, its admission) ends that request only.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .admission import plan_admission
 from .chunking import StepCosts, chunk_size
 from .events import Failed, Finished, Started
 from .output import next_output
+from .placement import MAIN, place
 from .prefill import prefill_alone
 from .request import Request, with_followers
 from .schedule import Waiting, choose, join_limit
@@ -44,12 +48,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlx_cache_server.engine")
 
 State = tuple[list[Any], list[int]]  # a sequence's KV cache and its tokens
+SIDE_UIDS = 1 << 48  # the side batch numbers its sequences from here: one `active` for both
 
 
 class Batch:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.gen = BatchGenerator(engine.model, **engine.batch_args)
+        self.side = BatchGenerator(engine.model, **engine.batch_args)
+        self.side._uid_count = SIDE_UIDS  # mlx-lm numbers from this counter
         self.active: dict[int, Request] = {}
         self.queue: list[tuple[Request, float]] = []
         self._replan = False  # new in the queue or newly prefilling: look for shared prefixes
@@ -59,6 +66,7 @@ class Batch:
 
     def close(self) -> None:
         self.gen.close()
+        self.side.close()
 
     @property
     def busy(self) -> bool:
@@ -162,7 +170,7 @@ class Batch:
         on (sharded: on every rank alike, or the next step's handover finds the ranks apart:
         `step_digest`)."""
         if self.active.pop(request.uid, None) is not None:  # in the batch already
-            self.gen.remove([request.uid])
+            self._remove([request.uid])
         followers, request.followers = request.followers, []
         self.engine.fail([request], "Generation failed on the server. Retry.")
         for follower in followers:  # other users' requests: they wait for a prefix only
@@ -225,7 +233,8 @@ class Batch:
             finish = "length"
         if self._deliver(request, first, logprobs, finish, lambda: (cache, tokens)):
             return seconds
-        (request.uid,) = self.gen.insert(
+        gen = self.gen if self._place(len(tokens)) == MAIN else self.side
+        (request.uid,) = gen.insert(
             [[first]],
             max_tokens=[request.params.max_tokens - 1],
             caches=[cache],
@@ -238,6 +247,24 @@ class Batch:
         # prefill (chats opening with this system prompt, say) reuse it at once.
         self._store(request, (cache, tokens))
         return seconds
+
+    def _place(self, length: int) -> int:
+        """Which batch a sequence of `length` tokens decodes in (`placement.place`)."""
+        main: list[int] = []
+        side: list[int] = []
+        for uid, r in self.active.items():
+            if not r.prefilling:
+                (side if uid >= SIDE_UIDS else main).append(len(r.tokens) + r.generated)
+        return place(length, main, side)
+
+    def _remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
+        """`BatchGenerator.remove` over both batches: each takes out its own."""
+        out: dict[int, Any] = {}
+        for gen, own in ((self.gen, [u for u in uids if u < SIDE_UIDS]),
+                         (self.side, [u for u in uids if u >= SIDE_UIDS])):  # fmt: skip
+            if own:
+                out.update(gen.remove(own, return_prompt_caches=return_prompt_caches))
+        return out
 
     def _release(self, leader: Request) -> None:
         """Admit those waiting for `leader`'s prefix: it is cached, or will never be."""
@@ -262,8 +289,11 @@ class Batch:
         depth = self._prefill_depth(chunk)
         last = self._last_chunk(chunk)
         taken = self.gen.remove([last.uid], return_prompt_caches=True) if last else {}
-        with self.gen.stats() as stats:  # mlx-lm's own counters, over this step
+        # mlx-lm's own counters, over this step; the side batch decodes with the main one
+        with self.gen.stats() as stats, self.side.stats() as side:
             prefills, responses = self.gen.next()
+            side_prefills, side_responses = self.side.next() if self._sided() else ([], [])
+        prefills, responses = prefills + side_prefills, responses + side_responses
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:
@@ -275,7 +305,7 @@ class Batch:
 
             def state(r: Any = r) -> State | None:
                 if r.finish_reason is None:  # stopped by a stop string: take it out
-                    return self.gen.remove([r.uid], return_prompt_caches=True).get(r.uid)
+                    return self._remove([r.uid], return_prompt_caches=True).get(r.uid)
                 return r.prompt_cache, r.all_tokens
 
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
@@ -284,8 +314,12 @@ class Batch:
             left, took = last.left, self._finish_prefill(last, *taken[last.uid])
             if took is not None:  # not failed: a measurement
                 seconds, prompt_tokens = seconds + took, prompt_tokens + left
-        self.cost = Measured(seconds, prompt_tokens, stats.generation_steps > 0, depth)
+        decoded = stats.generation_steps + side.generation_steps > 0
+        self.cost = Measured(seconds, prompt_tokens, decoded, depth)
         self._drop_faulted()
+
+    def _sided(self) -> bool:
+        return any(uid >= SIDE_UIDS for uid in self.active)
 
     def _last_chunk(self, chunk: int) -> Request | None:
         """The prompt whose prefill ends with this step, if it is the only one prefilling
@@ -388,7 +422,7 @@ class Batch:
         gone = [uid for uid, request in self.active.items() if request.cancelled]
         if not gone:
             return
-        caches = self.gen.remove(gone, return_prompt_caches=True)
+        caches = self._remove(gone, return_prompt_caches=True)
         for uid in gone:
             self._store(self.active[uid], caches.get(uid))
             request = self.active.pop(uid)
@@ -400,7 +434,7 @@ class Batch:
         """Take requests whose own sampler or processors raised out of the batch; fail them."""
         faulted = [uid for uid, request in self.active.items() if request.fault is not None]
         if faulted:
-            self.gen.remove(faulted)
+            self._remove(faulted)
             for uid in faulted:
                 self._fail_faulted(self.active.pop(uid))
 

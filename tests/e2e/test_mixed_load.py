@@ -6,9 +6,11 @@ import threading
 from typing import Any
 
 import httpx
+import mlx.core as mx
+import pytest
 from openai import OpenAI
 
-from app.engine import Delta, Failed, Finished, SamplingParams, Started
+from app.engine import Delta, Failed, Finished, SamplingParams, Started, placement
 from app.server import build_engine
 from app.settings import Settings
 from tests.helpers import ended, wait_until
@@ -141,3 +143,145 @@ def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch,
     assert not ended(running[:after])
     assert failed == 1 and "simulated" in caplog.text
     assert "finishing a prompt's prefill failed" in caplog.text  # there, not at its admission
+
+
+def test_a_long_prompt_beside_short_streams_decodes_in_a_batch_of_its_own(tiny_model_dir):
+    engine = build_engine(Settings(decode_gap=1e-9), str(tiny_model_dir))
+    shapes: list[tuple[int, int]] = []  # each forward pass's (sequences, tokens)
+    model = engine.model
+
+    class Counting:
+        def __call__(self, inputs, *args, **kwargs):
+            shapes.append(tuple(inputs.shape))
+            return model(inputs, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    engine.model = Counting()
+    tokenizer = engine.tokenizer
+    no_end = {t: -100.0 for t in tokenizer.eos_token_ids}
+    long_prompt = (tokenizer.encode("Tell me a long story about the sea. ") * 40)[:400]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=no_end)
+    streams: list[list[Any]] = [[] for _ in range(3)]
+    beside: list[Any] = []
+    alone: list[Any] = []
+    again: list[Any] = []
+    engine.start()
+    try:
+        running = []
+        for i, sink in enumerate(streams):
+            stream = tokenizer.encode(f"Stream {i}: a story.")
+            limit = SamplingParams(max_tokens=3000, logit_bias=no_end)
+            running.append(engine.submit(stream, limit, sink.append))
+            wait_until(lambda sink=sink: sum(isinstance(e, Delta) for e in sink) > 2)
+        shapes.clear()
+        engine.submit(long_prompt, params, beside.append)
+        wait_until(lambda: ended(beside))
+        during = list(shapes)
+        streamed = [sum(isinstance(e, Delta) for e in s) for s in streams]
+        wait_until(lambda: all(sum(isinstance(e, Delta) for e in s) > n + 2
+                               for s, n in zip(streams, streamed, strict=True)))  # fmt: skip
+        for request in running:
+            request.cancel()
+        wait_until(lambda: all(ended(s) for s in streams))
+        engine.submit(long_prompt, params, again.append)  # from the cache
+        wait_until(lambda: ended(again))
+    finally:
+        engine.stop()
+    solo = build_engine(Settings(no_cache=True), str(tiny_model_dir))
+    solo.start()
+    try:
+        solo.submit(long_prompt, params, alone.append)  # the only sequence: the main batch
+        wait_until(lambda: ended(alone))
+    finally:
+        solo.stop()
+    decode = [b for b, t in during if t == 1]
+    # Its tokens after the first came from passes of its own, beside the streams' passes
+    # of three: the streams' batch was never padded to its length.
+    assert decode.count(1) >= 5 and decode.count(3) >= 5
+    assert 4 not in decode
+    assert not any(ended(s) for s in (streams[0][:-1], streams[1][:-1], streams[2][:-1]))
+    assert text(beside) == text(alone) == text(again) and len(text(alone)) > 0
+    assert next(e for e in again if isinstance(e, Started)).cached_tokens >= len(long_prompt) - 1
+
+
+@pytest.mark.parametrize("how", ["cancelled", "failing"])
+def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
+    tiny_model_dir, how, monkeypatch
+):
+    import app.engine.batch as batch_module
+
+    placed: list[int] = []
+
+    def place(*args: Any) -> int:
+        placed.append(placement.place(*args))
+        return placed[-1]
+
+    stored: list[int] = []  # tokens of each KV the batch put into the cache
+    store = batch_module.store
+
+    def storing(engine: Any, request: Any, state: Any) -> None:
+        stored.append(len(state[1]) if state else 0)
+        store(engine, request, state)
+
+    batches: list[Any] = []
+    new_batch = batch_module.Batch.__init__
+
+    def recorded(self: Any, engine: Any) -> None:
+        new_batch(self, engine)
+        batches.append(self)
+
+    monkeypatch.setattr(batch_module, "place", place)
+    monkeypatch.setattr(batch_module, "store", storing)
+    monkeypatch.setattr(batch_module.Batch, "__init__", recorded)
+    engine = build_engine(Settings(decode_gap=1e-9), str(tiny_model_dir))
+    tokenizer = engine.tokenizer
+    no_end = {t: -100.0 for t in tokenizer.eos_token_ids}
+    long_prompt = (tokenizer.encode("Tell me a long story about the sea. ") * 40)[:400]
+    calls = []
+
+    def breaks_at_its_third_token(context: mx.array, logits: mx.array) -> mx.array:
+        calls.append(1)  # the first token's sampling, then each on the side batch
+        if len(calls) >= 3:
+            raise ValueError("a broken processor (simulated)")
+        return logits
+
+    constraint = breaks_at_its_third_token if how == "failing" else None
+    params = SamplingParams(max_tokens=3000, logit_bias=no_end, constraint=constraint)
+    streams: list[list[Any]] = [[] for _ in range(3)]
+    long: list[Any] = []
+    again: list[Any] = []
+    engine.start()
+    try:
+        for i, sink in enumerate(streams):
+            stream = tokenizer.encode(f"Stream {i}: a story.")
+            limit = SamplingParams(max_tokens=3000, logit_bias=no_end)
+            engine.submit(stream, limit, sink.append)
+            wait_until(lambda sink=sink: sum(isinstance(e, Delta) for e in sink) > 2)
+        request = engine.submit(long_prompt, params, long.append)
+        wait_until(lambda: sum(isinstance(e, Delta) for e in long) >= 2 or ended(long))
+        request.cancel()
+        wait_until(lambda: ended(long))
+        decoded = sum(isinstance(e, Delta) for e in long)
+        streamed = [len(s) for s in streams]
+        wait_until(lambda: all(len(s) > n + 3 for s, n in zip(streams, streamed, strict=True)))
+        engine.submit(long_prompt, SamplingParams(max_tokens=1), again.append)
+        wait_until(lambda: ended(again))
+        assert not any(ended(s) for s in streams)
+        assert batches[-1].side.prompt_cache_nbytes == 0  # it left the side batch too
+    finally:
+        engine.stop()
+    assert placed.count(placement.SIDE) == 1  # the long prompt, and only it
+    end = long[-1]
+    if how == "cancelled":
+        assert isinstance(end, Finished) and end.reason == "cancelled"
+        # What it decoded on the side was cached as it left, beyond its prompt.
+        assert decoded >= 2 and max(stored) >= len(long_prompt) + decoded - 1
+    else:
+        assert isinstance(end, Failed) and "Sampling failed" in end.message
+    assert next(e for e in again if isinstance(e, Started)).cached_tokens == len(long_prompt) - 1
+
+
+def text(sink: list[Any]) -> str:
+    return "".join(e.text for e in sink if isinstance(e, Delta))

@@ -1,0 +1,45 @@
+"""Which of two decode batches a sequence joins: the main one or the side one.
+
+mlx-lm's batch keeps its sequences' KV in one rectangle per layer, each sequence
+left-padded to the longest. A long prompt joining short streams pads every one of
+them to its length: the join copies the whole batch into a buffer that many times
+its size, and every decode step after it reads the padding as if it were KV. Beside
+a batch whose rectangle would be mostly padding, a second batch costs less: one more
+forward pass per step, each pass reading only its own sequences' KV
+(bench/README.md, "A long prompt decodes beside the streams, not among them").
+
+A sequence joins the main batch unless that would leave more than `PADDING_LIMIT`
+tokens of KV held per token of real KV; then the side batch, on the same terms; if
+neither keeps within it, whichever it pads less. The side batch is chosen by what is
+in it as well, so short streams arriving while a long sequence holds the main batch
+decode together beside it, as a long one beside short streams does.
+
+Pure: lengths in, a batch's index out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+PADDING_LIMIT = 2.0  # tokens of KV a batch holds, padding included, per real token
+MAIN, SIDE = 0, 1
+
+
+def padded(lengths: Sequence[int], joining: int) -> float:
+    """Tokens a batch of sequences of `lengths` holds per real token, one of `joining`
+    tokens joined: every sequence is padded to the longest."""
+    real = sum(lengths) + joining
+    if real <= 0:
+        return 1.0
+    return (len(lengths) + 1) * max([joining, *lengths]) / real
+
+
+def place(length: int, main: Sequence[int], side: Sequence[int]) -> int:
+    """`MAIN` or `SIDE`: where a sequence of `length` tokens decodes, beside batches
+    holding sequences of the lengths `main` and `side`."""
+    into_main, into_side = padded(main, length), padded(side, length)
+    if into_main <= PADDING_LIMIT:
+        return MAIN
+    if into_side <= PADDING_LIMIT:
+        return SIDE
+    return MAIN if into_main <= into_side else SIDE
