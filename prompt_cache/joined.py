@@ -125,10 +125,12 @@ class ViewBatchKVCache(BatchKVCache):
     def extract(self, idx: int) -> KVCache:
         cache = KVCache()
         padding = self.left_padding.tolist()[idx]
-        keys, values = filled(self)
-        cache.keys = keys[idx : idx + 1, :, padding:]
-        cache.values = values[idx : idx + 1, :, padding:]
-        cache.offset = cache.keys.shape[2]
+        # The buffer's free slots come along (a `KVCache` holds `offset` tokens, whatever
+        # its length): a sequence that goes on alone (`as_fresh`) writes its next tokens
+        # there, in place once the batch has let go, instead of growing a copy.
+        cache.keys = self.keys[idx : idx + 1, :, padding:]
+        cache.values = self.values[idx : idx + 1, :, padding:]
+        cache.offset = filled(self)[0].shape[2] - padding
         return cache
 
 

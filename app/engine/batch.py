@@ -288,7 +288,7 @@ class Batch:
         self.gen.prefill_step_size = chunk = self.chunk()
         depth = self._prefill_depth(chunk)
         last = self._last_chunk(chunk)
-        taken = self.gen.remove([last.uid], return_prompt_caches=True) if last else {}
+        taken = self._take_out(last) if last else None
         # mlx-lm's own counters, over this step; the side batch decodes with the main one
         with self.gen.stats() as stats, self.side.stats() as side:
             prefills, responses = self.gen.next()
@@ -311,7 +311,7 @@ class Batch:
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
         seconds, prompt_tokens = stats.wall_time, stats.prompt_tokens
         if last is not None:  # after the streams' tokens are out: they need not wait for it
-            left, took = last.left, self._finish_prefill(last, *taken[last.uid])
+            left, took = last.left, self._finish_prefill(last, *taken)
             if took is not None:  # not failed: a measurement
                 seconds, prompt_tokens = seconds + took, prompt_tokens + left
         decoded = stats.generation_steps + side.generation_steps > 0
@@ -339,6 +339,13 @@ class Batch:
             return None
         return request
 
+    def _take_out(self, request: Request) -> State:
+        """`request`'s KV and tokens, taken out of the batch. The cache is `as_fresh`: it joins
+        a batch again without a copy, and, the only holder of its buffers now, takes the
+        rest of the prompt in its buffers' free slots in place."""
+        cache, tokens = self.gen.remove([request.uid], return_prompt_caches=True)[request.uid]
+        return as_fresh(cache), tokens
+
     def _finish_prefill(
         self, request: Request, cache: list[Any], tokens: list[int]
     ) -> float | None:
@@ -348,7 +355,7 @@ class Batch:
         request.prefilling, request.left = False, 0
         try:
             sampler, processors = request.sampling()
-            seconds = self._start_alone(request, as_fresh(cache), len(tokens), sampler, processors)
+            seconds = self._start_alone(request, cache, len(tokens), sampler, processors)
         except Exception:
             log.exception("finishing a prompt's prefill failed")
             self._fail_start(request)

@@ -525,3 +525,24 @@ def test_a_cache_taken_out_of_a_batch_joins_one_again_without_a_copy():
     _decode_step(batch)
     mx.eval([(b.keys, b.values) for b in batch])
     assert mx.get_peak_memory() - before < len(tokens) * BYTES_PER_TOKEN // 8
+
+
+def test_a_sequence_taken_out_of_a_batch_goes_on_in_its_free_slots_without_a_copy():
+    from prompt_cache import as_fresh
+
+    tokens = [t % 1000 for t in range((1 << 16) - 100)]  # room left in its last block
+    joined, plain = _grown_by_one(tokens)
+    batch = [type(c).merge([c]) for c in joined]
+    del joined
+    _decode_step(batch)  # room to spare in the batch's buffer, as when a prompt is taken out
+    _decode_step(plain)
+    mx.eval([(b.keys, b.values) for b in batch])
+    alone = as_fresh([b.extract(0) for b in batch])
+    del batch  # the batch lets go of it, as `BatchGenerator.remove` does
+    assert same_state(alone, plain)
+    before = _reset_peak()
+    _decode_step(alone)  # its next token, written into the free slots
+    _decode_step(plain)
+    mx.eval([c.state for c in alone])
+    assert mx.get_peak_memory() - before < len(tokens) * BYTES_PER_TOKEN // 8
+    assert same_state(alone, plain)
