@@ -289,11 +289,25 @@ class Batch:
         depth = self._prefill_depth(chunk)
         last = self._last_chunk(chunk)
         taken = self._take_out(last) if last else None
-        # mlx-lm's own counters, over this step; the side batch decodes with the main one
-        with self.gen.stats() as stats, self.side.stats() as side:
+        with self.gen.stats() as stats:  # mlx-lm's own counters, over this step
             prefills, responses = self.gen.next()
-            side_prefills, side_responses = self.side.next() if self._sided() else ([], [])
-        prefills, responses = prefills + side_prefills, responses + side_responses
+        self._handle(prefills, responses)
+        seconds, prompt_tokens = stats.wall_time, stats.prompt_tokens
+        decoded = stats.generation_steps > 0
+        if self._sided():  # after the main batch's tokens are out: they need not wait for it
+            with self.side.stats() as side:
+                side_prefills, side_responses = self.side.next()
+            self._handle(side_prefills, side_responses)
+            seconds, decoded = seconds + side.wall_time, decoded or side.generation_steps > 0
+        if last is not None:  # after the streams' tokens are out: they need not wait for it
+            left, took = last.left, self._finish_prefill(last, *taken)
+            if took is not None:  # not failed: a measurement
+                seconds, prompt_tokens = seconds + took, prompt_tokens + left
+        self.cost = Measured(seconds, prompt_tokens, decoded, depth)
+        self._drop_faulted()
+
+    def _handle(self, prefills: list[Any], responses: list[Any]) -> None:
+        """A generator's step's results: prompts' progress, then each sequence's token."""
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:
@@ -309,14 +323,6 @@ class Batch:
                 return r.prompt_cache, r.all_tokens
 
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
-        seconds, prompt_tokens = stats.wall_time, stats.prompt_tokens
-        if last is not None:  # after the streams' tokens are out: they need not wait for it
-            left, took = last.left, self._finish_prefill(last, *taken)
-            if took is not None:  # not failed: a measurement
-                seconds, prompt_tokens = seconds + took, prompt_tokens + left
-        decoded = stats.generation_steps + side.generation_steps > 0
-        self.cost = Measured(seconds, prompt_tokens, decoded, depth)
-        self._drop_faulted()
 
     def _sided(self) -> bool:
         return any(uid >= SIDE_UIDS for uid in self.active)

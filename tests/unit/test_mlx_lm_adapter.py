@@ -1,8 +1,10 @@
-"""The installed mlx-lm against the one place we set its batch cache's internals.
+"""The installed mlx-lm against the places we set its internals.
 
 `prompt_cache.mlx_lm_batch.batch_over` builds a `BatchKVCache` over buffers we
 filled ourselves. If an mlx-lm release changes what its batch cache keeps, the
 batch built here must stop passing for the one mlx-lm builds: these tests say so.
+The engine's side batch starts `BatchGenerator`'s uid counter where the main
+batch's uids never reach (`app.engine.batch.SIDE_UIDS`).
 """
 
 from __future__ import annotations
@@ -51,3 +53,17 @@ def test_a_batch_built_over_our_buffers_is_the_batch_mlx_lm_builds():
         got, want = ours.extract(i), theirs.extract(i)
         assert isinstance(got, KVCache) and got.offset == want.offset
         assert arrays_equal(got.keys[..., : got.offset, :], want.keys[..., : want.offset, :])
+
+
+def test_a_generator_numbers_its_sequences_from_the_counter_the_side_batch_sets():
+    from mlx_lm.generate import BatchGenerator
+
+    from app.engine.batch import SIDE_UIDS
+
+    # app/engine/batch.py starts its side batch's counter at SIDE_UIDS, so that one dict
+    # keyed by uid holds both batches' sequences.
+    side = BatchGenerator(model=None)
+    side._uid_count = SIDE_UIDS
+    first = side.insert([[1, 2]], max_tokens=[3], caches=[[KVCache()]])
+    second = side.insert([[4]], max_tokens=[3], caches=[[KVCache()]])
+    assert first == [SIDE_UIDS] and second == [SIDE_UIDS + 1]
