@@ -65,8 +65,10 @@ class Batch:
         self.now = 0.0  # the step's time, from its inputs: the same on every rank
 
     def close(self) -> None:
-        self.gen.close()
+        # Each generator restores the wired limit it found (Metal): the side batch's is
+        # the one the main batch set, so the main batch restores the system's last.
         self.side.close()
+        self.gen.close()
 
     @property
     def busy(self) -> bool:
@@ -205,7 +207,9 @@ class Batch:
         (request.uid,) = self.gen.insert_segments(
             [segments],
             max_tokens=[p.max_tokens],
-            caches=[cached],
+            # Nothing cached: a fresh cache all the same, so the batch hands the prompt out
+            # as views with room to go on in place (`_take_out`), not a cut copy.
+            caches=[cached or fresh_cache(engine.model)],
             all_tokens=[tokens[:n]],
             samplers=[sampler],
             logits_processors=[processors],
@@ -275,7 +279,8 @@ class Batch:
     # ----------------------------------------------------------------- steps
 
     def step(self) -> None:
-        """One prefill or decode step of the batch, its results handled.
+        """One prefill or decode step of the batch (and a decode step of the side batch),
+        its results handled.
 
         A method of its own so the step's responses die with it: a finished
         sequence's response holds its whole KV, which, left in a loop variable,
@@ -333,7 +338,7 @@ class Batch:
 
         It is taken out of the batch and finished alone (`_finish_prefill`): its first
         token comes from its last chunk's logits, not from a one-token step after it, and
-        reaches the client before the join with the decoding streams, which copies the
+        reaches the client before it joins a decode batch (`_place`); the join could copy a
         whole batch's KV (bench/README.md, "Running streams beside a long prefill").
         """
         prefilling = [r for r in self.active.values() if r.prefilling]

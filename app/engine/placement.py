@@ -8,11 +8,13 @@ a batch whose rectangle would be mostly padding, a second batch costs less: one 
 forward pass per step, each pass reading only its own sequences' KV
 (bench/README.md, "A long prompt decodes beside the streams, not among them").
 
-A sequence joins the main batch unless that would leave more than `PADDING_LIMIT`
-tokens of KV held per token of real KV; then the side batch, on the same terms; if
-neither keeps within it, whichever it pads less. The side batch is chosen by what is
-in it as well, so short streams arriving while a long sequence holds the main batch
-decode together beside it, as a long one beside short streams does.
+A sequence joins a batch with sequences in it whose padding would stay within
+`PADDING_LIMIT` tokens of KV held per token of real KV, the main one first; else an
+empty one, the main one first; else, both padded past the limit, whichever it pads
+less. So short streams arriving while a long sequence holds the main batch gather in
+the side batch once padding them to it would pass the limit, as a long sequence beside
+short streams does; and once one batch empties, sequences gather in the other rather
+than split over two forward passes.
 
 Pure: lengths in, a batch's index out.
 """
@@ -38,8 +40,12 @@ def place(length: int, main: Sequence[int], side: Sequence[int]) -> int:
     """`MAIN` or `SIDE`: where a sequence of `length` tokens decodes, beside batches
     holding sequences of the lengths `main` and `side`."""
     into_main, into_side = padded(main, length), padded(side, length)
-    if into_main <= PADDING_LIMIT:
+    if main and into_main <= PADDING_LIMIT:
         return MAIN
-    if into_side <= PADDING_LIMIT:
+    if side and into_side <= PADDING_LIMIT:
+        return SIDE
+    if not main:
+        return MAIN
+    if not side:
         return SIDE
     return MAIN if into_main <= into_side else SIDE

@@ -206,6 +206,40 @@ def test_a_long_prompt_beside_short_streams_decodes_in_a_batch_of_its_own(tiny_m
     assert next(e for e in again if isinstance(e, Started)).cached_tokens >= len(long_prompt) - 1
 
 
+def test_a_prompt_with_nothing_cached_taken_out_for_its_last_chunk_keeps_its_free_slots(
+    tiny_model_dir, monkeypatch
+):
+    import app.engine.batch as batch_module
+
+    taken: list[tuple[int, int]] = []  # (slots in its buffer, tokens held) per layer 0
+    take_out = batch_module.Batch._take_out
+
+    def recorded(self: Any, request: Any) -> Any:
+        cache, tokens = take_out(self, request)
+        taken.append((cache[0].keys.shape[2], cache[0].offset))
+        return cache, tokens
+
+    monkeypatch.setattr(batch_module.Batch, "_take_out", recorded)
+    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
+    tokens = engine.tokenizer.encode("Tell me a long story about the sea. ")
+    no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
+    running: list[Any] = []
+    long: list[Any] = []
+    engine.start()
+    try:
+        engine.submit(tokens, SamplingParams(max_tokens=3000, logit_bias=no_end), running.append)
+        wait_until(lambda: sum(isinstance(e, Delta) for e in running) > 3)
+        engine.submit((tokens * 20)[:300], SamplingParams(max_tokens=2), long.append)
+        wait_until(lambda: ended(long))
+    finally:
+        engine.stop()
+    # The room its buffer has (mlx-lm grows it 256 slots at a time) came along: its last
+    # chunk goes there, not into a copy cut to its length and grown again.
+    ((slots, held),) = taken
+    assert held < slots
+    assert isinstance(long[-1], Finished)
+
+
 @pytest.mark.parametrize("how", ["cancelled", "failing"])
 def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
     tiny_model_dir, how, monkeypatch

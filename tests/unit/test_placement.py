@@ -13,9 +13,8 @@ def test_padding_is_every_sequence_at_the_longest_per_real_token():
     assert padded([300, 500], 400) == 3 * 500 / 1200
 
 
-def test_an_empty_main_batch_takes_any_sequence():
+def test_the_first_sequence_goes_to_the_main_batch():
     assert place(5000, [], []) == MAIN
-    assert place(5000, [], [5000]) == MAIN
 
 
 def test_sequences_of_like_lengths_decode_together():
@@ -43,3 +42,10 @@ def test_short_streams_arriving_beside_a_long_one_gather_on_the_side():
 def test_past_the_limit_in_both_the_sequence_pads_the_one_it_pads_less(length, main, side, where):
     assert padded(main, length) > PADDING_LIMIT and padded(side, length) > PADDING_LIMIT
     assert place(length, main, side) == where
+
+
+def test_with_one_batch_empty_sequences_gather_in_the_other():
+    assert place(40, [], [60, 50, 45]) == SIDE  # not a second forward pass for short streams
+    assert place(5000, [], [5000]) == SIDE
+    assert place(2000, [], [60, 50, 45]) == MAIN  # the side batch would be mostly padding
+    assert place(40, [60, 50], []) == MAIN
