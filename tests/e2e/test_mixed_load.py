@@ -83,12 +83,13 @@ def test_openai_streams_keep_alive_with_comments_the_sdks_skip(server, monkeypat
     assert streamed == whole.choices[0].message.content
 
 
-def test_prompts_prefilled_together_beside_a_stream_share_one_steps_budget(tiny_model_dir):
-    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
-    shapes: list[tuple[int, int]] = []
+def recorded_passes(engine: Any) -> list[tuple[int, ...]]:
+    """Each forward pass's input shape (sequences, tokens) from now on, in order: the
+    engine's model wrapped, before the engine starts."""
+    shapes: list[tuple[int, ...]] = []
     model = engine.model
 
-    class Counting:  # the model, recording each forward pass's (prompts, tokens)
+    class Counting:
         def __call__(self, inputs, *args, **kwargs):
             shapes.append(tuple(inputs.shape))
             return model(inputs, *args, **kwargs)
@@ -97,6 +98,12 @@ def test_prompts_prefilled_together_beside_a_stream_share_one_steps_budget(tiny_
             return getattr(model, name)
 
     engine.model = Counting()
+    return shapes
+
+
+def test_prompts_prefilled_together_beside_a_stream_share_one_steps_budget(tiny_model_dir):
+    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
+    shapes = recorded_passes(engine)
     tokens = engine.tokenizer.encode("Tell me a long story about the sea. ")
     no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
     sinks: list[list[Any]] = [[] for _ in range(4)]
@@ -115,18 +122,29 @@ def test_prompts_prefilled_together_beside_a_stream_share_one_steps_budget(tiny_
     assert max(prefills) <= engine.min_prefill_chunk  # together, within one step's least
 
 
-def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch, caplog):
-    import app.engine.batch as batch_module
-
+def running_stream(tiny_model_dir: Any) -> tuple[Any, list[int], list[Any]]:
+    """A started engine (no cache, every prefill step its smallest) with one stream
+    decoding; the stream's prompt and its events so far."""
     engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
     tokens = engine.tokenizer.encode("Tell me a long story about the sea. ")
     no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
     running: list[Any] = []
-    long: list[Any] = []
     engine.start()
     try:
         engine.submit(tokens, SamplingParams(max_tokens=3000, logit_bias=no_end), running.append)
         wait_until(lambda: sum(isinstance(e, Delta) for e in running) > 3)
+    except BaseException:
+        engine.stop()
+        raise
+    return engine, tokens, running
+
+
+def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch, caplog):
+    import app.engine.batch as batch_module
+
+    long: list[Any] = []
+    engine, tokens, running = running_stream(tiny_model_dir)
+    try:
 
         def broken(*args: Any, **kwargs: Any) -> Any:  # the long prompt's last chunk only
             raise RuntimeError("out of memory (simulated)")
@@ -147,18 +165,7 @@ def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch,
 
 def test_a_long_prompt_beside_short_streams_decodes_in_a_batch_of_its_own(tiny_model_dir):
     engine = build_engine(Settings(decode_gap=1e-9), str(tiny_model_dir))
-    shapes: list[tuple[int, int]] = []  # each forward pass's (sequences, tokens)
-    model = engine.model
-
-    class Counting:
-        def __call__(self, inputs, *args, **kwargs):
-            shapes.append(tuple(inputs.shape))
-            return model(inputs, *args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(model, name)
-
-    engine.model = Counting()
+    shapes = recorded_passes(engine)
     tokenizer = engine.tokenizer
     no_end = {t: -100.0 for t in tokenizer.eos_token_ids}
     long_prompt = (tokenizer.encode("Tell me a long story about the sea. ") * 40)[:400]
@@ -220,15 +227,9 @@ def test_a_prompt_with_nothing_cached_taken_out_for_its_last_chunk_keeps_its_fre
         return cache, tokens
 
     monkeypatch.setattr(batch_module.Batch, "_take_out", recorded)
-    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
-    tokens = engine.tokenizer.encode("Tell me a long story about the sea. ")
-    no_end = {t: -100.0 for t in engine.tokenizer.eos_token_ids}
-    running: list[Any] = []
     long: list[Any] = []
-    engine.start()
+    engine, tokens, _ = running_stream(tiny_model_dir)
     try:
-        engine.submit(tokens, SamplingParams(max_tokens=3000, logit_bias=no_end), running.append)
-        wait_until(lambda: sum(isinstance(e, Delta) for e in running) > 3)
         engine.submit((tokens * 20)[:300], SamplingParams(max_tokens=2), long.append)
         wait_until(lambda: ended(long))
     finally:
