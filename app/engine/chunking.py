@@ -1,12 +1,13 @@
 """How many prompt tokens to prefill in a step that also decodes running streams.
 
 mlx-lm's `BatchGenerator` runs, each step, one decode step of the running streams
-and one chunk of every prompt being prefilled; the streams wait for both. A fixed
-chunk makes that wait whatever the chunk costs: seconds on a CPU. Here the chunk is
-sized each step from measured costs so that a step stays within `target_gap`
-seconds, the longest a stream should wait between two tokens, as vLLM's and SGLang's
-chunked prefill bound a step by a token budget; with nothing decoding, the prompt
-gets the largest chunk, since nobody waits on it.
+and one chunk of every prompt being prefilled; the streams wait for both (and for the
+side batch's decode step, when one runs: `placement`; it is measured as part of the
+decode step). A fixed chunk makes that wait whatever the chunk costs: seconds on a
+CPU. Here the chunk is sized each step from measured costs so that a step stays
+within `target_gap` seconds, the longest a stream should wait between two tokens, as
+vLLM's and SGLang's chunked prefill bound a step by a token budget; with nothing
+decoding, the prompt gets the largest chunk, since nobody waits on it.
 
 A prompt token costs more the deeper in its prompt it is: its attention reads every
 token before it. So a token's cost is read as a line in its depth, fitted to the
