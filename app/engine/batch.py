@@ -259,7 +259,7 @@ class Batch:
         for uid, r in self.active.items():
             if not r.prefilling:
                 (side if uid >= SIDE_UIDS else main).append(len(r.tokens) + r.generated)
-        return place(length, main, side)
+        return place(length, main, side, self.engine.completion_batch_size)
 
     def _remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         """`BatchGenerator.remove` over both batches: each takes out its own."""

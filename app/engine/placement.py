@@ -14,7 +14,9 @@ empty one, the main one first; else, both padded past the limit, whichever it pa
 less. So short streams arriving while a long sequence holds the main batch gather in
 the side batch once padding them to it would pass the limit, as a long sequence beside
 short streams does; and once one batch empties, sequences gather in the other rather
-than split over two forward passes.
+than split over two forward passes. The two batches together decode at most
+`capacity` sequences (`--completion-batch-size`), as one did: past it, a sequence
+waits its turn in the main batch.
 
 Pure: lengths in, a batch's index out.
 """
@@ -36,9 +38,11 @@ def padded(lengths: Sequence[int], joining: int) -> float:
     return (len(lengths) + 1) * max([joining, *lengths]) / real
 
 
-def place(length: int, main: Sequence[int], side: Sequence[int]) -> int:
+def place(length: int, main: Sequence[int], side: Sequence[int], capacity: int) -> int:
     """`MAIN` or `SIDE`: where a sequence of `length` tokens decodes, beside batches
-    holding sequences of the lengths `main` and `side`."""
+    holding sequences of the lengths `main` and `side`, `capacity` at most in both."""
+    if len(main) + len(side) >= capacity:
+        return MAIN
     into_main, into_side = padded(main, length), padded(side, length)
     if main and into_main <= PADDING_LIMIT:
         return MAIN
