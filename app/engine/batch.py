@@ -25,13 +25,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from prompt_cache import as_fresh, fresh_cache
 
 from .admission import plan_admission
 from .chunking import StepCosts, chunk_size
 from .events import Failed, Finished, Started
+from .generator import MixedGenerator
 from .output import next_output
 from .placement import MAIN, place
 from .prefill import prefill_alone
@@ -54,8 +54,8 @@ SIDE_UIDS = 1 << 48  # the side batch numbers its sequences from here: one `acti
 class Batch:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.gen = BatchGenerator(engine.model, **engine.batch_args)
-        self.side = BatchGenerator(engine.model, **engine.batch_args)
+        self.gen = MixedGenerator(engine.model, **engine.batch_args)
+        self.side = MixedGenerator(engine.model, **engine.batch_args)
         self.side._uid_count = SIDE_UIDS  # mlx-lm numbers from this counter
         self.active: dict[int, Request] = {}
         self.queue: list[tuple[Request, float]] = []

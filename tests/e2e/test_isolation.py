@@ -160,7 +160,7 @@ def test_requests_taken_when_the_batch_cannot_start_are_answered(tiny_model_dir,
     def broken(*args, **kwargs):
         raise RuntimeError("no memory for a new batch (simulated)")
 
-    monkeypatch.setattr(app.engine.batch, "BatchGenerator", broken)
+    monkeypatch.setattr(app.engine.batch, "MixedGenerator", broken)
     sinks: list[list[Any]] = [[] for _ in QUESTIONS]
     for q, sink in zip(QUESTIONS, sinks, strict=True):
         engine.submit(prompt(engine.tokenizer, q), GREEDY, sink.append)

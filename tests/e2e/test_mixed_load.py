@@ -320,3 +320,50 @@ def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
 
 def text(sink: list[Any]) -> str:
     return "".join(e.text for e in sink if isinstance(e, Delta))
+
+
+def test_a_long_prompts_chunks_run_in_the_streams_pass_and_change_no_output(
+    tiny_model_dir, monkeypatch
+):
+    import app.engine.generator as generator
+
+    together: list[list[tuple[int, ...]]] = []  # each pass run together: its parts' shapes
+    forward_together = generator.forward_together
+
+    def recorded(model: Any, parts: Any) -> Any:
+        together.append([tuple(tokens.shape) for tokens, _ in parts])
+        return forward_together(model, parts)
+
+    monkeypatch.setattr(generator, "forward_together", recorded)
+    engine = build_engine(Settings(no_cache=True, decode_gap=1e-9), str(tiny_model_dir))
+    tokenizer = engine.tokenizer
+    no_end = {t: -100.0 for t in tokenizer.eos_token_ids}
+    long_prompt = (tokenizer.encode("Tell me a long story about the sea. ") * 40)[:400]
+    prompts = [tokenizer.encode(f"Stream {i}: a story.") for i in range(2)] + [long_prompt]
+    params = SamplingParams(max_tokens=40, temperature=0.0, logit_bias=no_end)
+    sinks: list[list[Any]] = [[] for _ in prompts]
+    engine.start()
+    try:
+        for tokens, sink in zip(prompts[:2], sinks[:2], strict=True):
+            engine.submit(tokens, params, sink.append)
+            wait_until(lambda sink=sink: sum(isinstance(e, Delta) for e in sink) > 2)
+        engine.submit(long_prompt, params, sinks[2].append)
+        wait_until(lambda: all(ended(s) for s in sinks))
+    finally:
+        engine.stop()
+    alone: list[list[Any]] = [[] for _ in prompts]
+    solo = build_engine(Settings(no_cache=True), str(tiny_model_dir))
+    solo.start()
+    try:
+        for tokens, sink in zip(prompts, alone, strict=True):  # one after another
+            solo.submit(tokens, params, sink.append)
+            wait_until(lambda sink=sink: ended(sink))
+    finally:
+        solo.stop()
+    # The long prompt's chunks (all but the last, finished on its own) went through the
+    # two streams' decode passes, each chunk the smallest a step takes.
+    chunks = [parts[1] for parts in together if parts[0] == (2, 1)]
+    assert len(chunks) == len(together) >= (400 - 1) // engine.min_prefill_chunk - 1
+    assert all(b == 1 and 0 < n <= engine.min_prefill_chunk for b, n in chunks)
+    assert [text(s) for s in sinks] == [text(s) for s in alone]
+    assert all(len(text(s)) > 0 and isinstance(s[-1], Finished) for s in sinks)

@@ -1,0 +1,88 @@
+"""mlx-lm's `BatchGenerator`, with a prompt's chunk riding in the streams' decode pass.
+
+A step of mlx-lm's generator decodes the running streams, then prefills a chunk of each
+prompt being prefilled: two forward passes, each reading every weight. When one prompt
+is being prefilled beside the streams (a long prompt arriving at a busy server), this
+generator runs its chunk and the streams' step in one pass (`forward_together`): the
+streams' rows cost a few more rows of the chunk's matrices instead of a pass of their
+own, so the steps the streams wait for between two tokens are shorter and the prompt
+reaches its first token sooner.
+
+It is the same step otherwise: the generator's own `_next` decides it, the chunk is the
+one that step would prefill (`_chunk_beside` reads it from the same state, before the
+step), and only the two model calls are replaced, the streams' by the pass over both
+and the prompt's by the bookkeeping mlx-lm's `PromptProcessingBatch.prompt` does
+around its model call. Any other step (several prompts, a prompt joining the streams,
+nothing decoding, a model `forward_together` does not cover) is mlx-lm's own.
+
+Invariants: in a step run together, the prompt's cache takes exactly the chunk
+`_chunk_beside` read and the streams' caches their one token each, as the two passes
+would give them; the generator's model is its own again after every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from ..runtime.forward_together import forward_together, logits, supports
+
+
+class MixedGenerator(BatchGenerator):
+    def __init__(self, model: Any, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.together = supports(model)  # off: every step is mlx-lm's own
+
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        chunk = self._chunk_beside() if self.together else None
+        if chunk is None:
+            return super()._next()
+        streams, prompt = self._generation_batch, self._prompt_batch
+        cache = prompt.prompt_cache
+        streams.model = _Together(self.model, mx.array([chunk]), cache)
+        prompt.prompt = lambda prompts: _prefilled(prompt, chunk, prompts)
+        try:
+            return super()._next()
+        finally:
+            streams.model = self.model
+            del prompt.prompt  # the instance's stand-in: the class's method again
+
+    def _chunk_beside(self) -> list[int] | None:
+        """The tokens the next step prefills if it decodes the streams and prefills one
+        prompt, which takes no other part in it (not joining the streams: more than its
+        last token left); None for any other step. Read as `BatchGenerator._next` reads
+        them: it admits no prompt while one is being prefilled and none waits."""
+        streams = len(self._generation_batch)
+        if not 0 < streams < self.completion_batch_size or self._unprocessed_sequences:
+            return None
+        if len(self._currently_processing) != 1 or len(self._prompt_batch) != 1:
+            return None
+        segments = self._currently_processing[0][0]
+        if len(segments) == 1 and len(segments[0]) == 1:
+            return None  # its last token: the step moves it to the streams
+        if self.prefill_step_size > self._prompt_batch.prefill_step_size:
+            return None  # the prompt batch would cut the chunk into several passes
+        return segments[0][: self.prefill_step_size]
+
+
+class _Together:
+    """The streams' model for one step: the pass over their tokens and the prompt's chunk."""
+
+    def __init__(self, model: Any, chunk: mx.array, cache: list[Any]) -> None:
+        self.model, self.chunk, self.cache = model, chunk, cache
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        hidden, _ = forward_together(self.model, [(inputs, cache), (self.chunk, self.cache)])
+        return logits(self.model, hidden)
+
+
+def _prefilled(batch: Any, chunk: list[int], prompts: list[list[int]]) -> None:
+    """`PromptProcessingBatch.prompt` for a chunk the streams' pass ran: its tokens
+    recorded, its KV computed (the pass is evaluated lazily, from the streams' tokens)."""
+    if prompts != [chunk]:  # the step and `_chunk_beside` disagree: a bug, said loudly
+        raise RuntimeError("the prefilled chunk is not the one the step ran")
+    batch.tokens[0] += chunk
+    mx.eval([c.state for c in batch.prompt_cache])
+    mx.clear_cache()
