@@ -1,15 +1,17 @@
 """Running streams while a long prompt prefills: ours against mlx_lm.server.
 
 Each server runs alone in turn (same model, OpenBLAS, same cache limits), for `--rounds`
-rounds. Each round, a long unique prompt (`--words`, 2000) is sent to the idle server:
-its TTFT is the reference, a long prompt's TTFT alone. Then `--streams` (4) streams
-start decoding (greedy, up to 400 tokens), and once each has sent a few tokens, another
-long unique prompt of the same length arrives. Reported per round: the longest gap
-between two tokens of any running stream while the long prompt prefills and joins them
-(from its arrival to its fourth and last token), the streams' inter-token latency
-p50/p99 over that window, and the long prompt's TTFT beside the streams against the
-round's TTFT alone; overall, the median of the rounds' figures and the longest gap of
-any round. The reference is taken in the same round since this host drifts over minutes.
+rounds. Each round, a long unique prompt (`--words`, 2000) is sent to the idle server.
+Then `--streams` (4) streams start decoding (greedy, up to 400 tokens), and once each
+has sent a few tokens, another long unique prompt of the same length arrives; once the
+streams are done, a third goes to the idle server again. The reference, a long prompt's
+TTFT alone, is the mean of the first and the third: this host's speed drifts over
+minutes, and the two bracket the prompt measured beside the streams. Reported per round:
+the longest gap between two tokens of any running stream while the long prompt
+prefills and joins them (from its arrival to its fourth and last token), the streams'
+inter-token latency p50/p99 over that window, and the long prompt's TTFT beside the
+streams against the round's TTFT alone; overall, the median of the rounds' figures and
+the longest gap of any round.
 
     python bench/mixed.py [--words 2000] [--streams 4] [--rounds 1] [--servers ours,peer]
 """
@@ -81,7 +83,8 @@ def measure(kind: str, model: str, args) -> dict:
         client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", timeout=3600)
         first_token(client, name, [{"role": "user", "content": "Hi."}], args.ban)  # warm up
         for r in range(args.rounds):
-            rounds.append(one_round(client, name, args, seeds=(10 * r + 1, 10 * r + 2)))
+            seeds = (10 * r + 1, 10 * r + 2, 10 * r + 3)
+            rounds.append(one_round(client, name, args, seeds))
             print(kind, r, {k: round(v, 3) for k, v in rounds[-1].items() if v is not None})
     # A round in which no stream sent a token has no gaps (None): left out, not a crash.
     out = {key: _median([x[key] for x in rounds]) for key in rounds[0]}
@@ -95,9 +98,10 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
-    """A long prompt's TTFT alone, then another's beside the streams, and their gaps."""
-    alone, _ = first_token(client, name, long_prompt(args.words, seeds[0]), args.ban)
+def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int, int]) -> dict:
+    """A long prompt's TTFT alone, another's beside the streams (and their gaps), and a
+    third's alone again."""
+    first, _ = first_token(client, name, long_prompt(args.words, seeds[0]), args.ban)
     times: list[list[float]] = [[] for _ in range(args.streams)]
     readies = [threading.Event() for _ in range(args.streams)]
     threads = [
@@ -112,6 +116,8 @@ def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
     beside, end = first_token(client, name, long_prompt(args.words, seeds[1]), args.ban)
     for t in threads:
         t.join()
+    last, _ = first_token(client, name, long_prompt(args.words, seeds[2]), args.ban)
+    alone = (first + last) / 2
     gaps = []
     for ts in times:
         window = [t for t in ts if arrival <= t <= end]
@@ -122,6 +128,8 @@ def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int]) -> dict:
     gaps.sort()
     return {
         "ttft_alone": alone,
+        "ttft_alone_before": first,
+        "ttft_alone_after": last,
         "ttft_beside_streams": beside,
         "ttft_ratio": beside / alone,
         "longest_gap": max(gaps) if gaps else None,
