@@ -15,9 +15,10 @@ and the prompt's by the bookkeeping mlx-lm's `PromptProcessingBatch.prompt` does
 around its model call. Any other step (several prompts, a prompt joining the streams,
 nothing decoding, a model `forward_together` does not cover) is mlx-lm's own.
 
-Invariants: in a step run together, the prompt's cache takes exactly the chunk
-`_chunk_beside` read and the streams' caches their one token each, as the two passes
-would give them; the generator's model is its own again after every step.
+Invariants: in a step run together, the prompt's cache takes the chunk `_chunk_beside`
+read and the streams' caches their one token each, as the two passes would give them
+(to the last bits: `forward_together`); the generation batch's model and the prompt
+batch's `prompt` are their own again after every step, raised or not.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ..runtime.forward_together import forward_together, logits, supports
 
 
 class MixedGenerator(BatchGenerator):
+    """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass."""
+
     def __init__(self, model: Any, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.together = supports(model)  # off: every step is mlx-lm's own
@@ -40,13 +43,13 @@ class MixedGenerator(BatchGenerator):
         if chunk is None:
             return super()._next()
         streams, prompt = self._generation_batch, self._prompt_batch
-        cache = prompt.prompt_cache
-        streams.model = _Together(self.model, mx.array([chunk]), cache)
+        own = streams.model
+        streams.model = _Together(self.model, mx.array([chunk]), prompt.prompt_cache)
         prompt.prompt = lambda prompts: _prefilled(prompt, chunk, prompts)
         try:
             return super()._next()
         finally:
-            streams.model = self.model
+            streams.model = own
             del prompt.prompt  # the instance's stand-in: the class's method again
 
     def _chunk_beside(self) -> list[int] | None:
@@ -63,7 +66,9 @@ class MixedGenerator(BatchGenerator):
         if len(segments) == 1 and len(segments[0]) == 1:
             return None  # its last token: the step moves it to the streams
         if self.prefill_step_size > self._prompt_batch.prefill_step_size:
-            return None  # the prompt batch would cut the chunk into several passes
+            # The prompt batch would cut the chunk into several passes (the engine never
+            # asks for more than its largest chunk, which the prompt batch was made with).
+            return None
         return segments[0][: self.prefill_step_size]
 
 
@@ -74,13 +79,15 @@ class _Together:
         self.model, self.chunk, self.cache = model, chunk, cache
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        hidden, _ = forward_together(self.model, [(inputs, cache), (self.chunk, self.cache)])
+        # The chunk's logits are never read (mlx-lm's prompt pass evaluates its cache only).
+        parts = [(inputs, cache), (self.chunk, self.cache)]
+        hidden, _ = forward_together(self.model, parts, wanted=[True, False])
         return logits(self.model, hidden)
 
 
 def _prefilled(batch: Any, chunk: list[int], prompts: list[list[int]]) -> None:
     """`PromptProcessingBatch.prompt` for a chunk the streams' pass ran: its tokens
-    recorded, its KV computed (the pass is evaluated lazily, from the streams' tokens)."""
+    recorded, its KV waited for (the streams' step set the pass going)."""
     if prompts != [chunk]:  # the step and `_chunk_beside` disagree: a bug, said loudly
         raise RuntimeError("the prefilled chunk is not the one the step ran")
     batch.tokens[0] += chunk

@@ -14,9 +14,10 @@ modules and its module's `scaled_dot_product_attention` (ours where
 are what the model's own call would make of them. Other models run their own passes
 (`supports`).
 
-Invariants: each part's cache takes exactly its part's tokens, as a call of the model
-on that part alone would give it; the result's part `i` is the last norm's output for
-part `i`'s tokens, shaped as they came `(B, L, hidden)`.
+Invariants: each part's cache takes its part's tokens, as a call of the model on that
+part alone would give it, but for the last bits a matrix product's row may differ in
+when the matrix has more rows; the result's part `i` is the last norm's output for part
+`i`'s tokens, shaped as they came `(B, L, hidden)`, or None if it was not wanted.
 """
 
 from __future__ import annotations
@@ -53,39 +54,77 @@ def supports(model: Any) -> bool:
     )
 
 
-def forward_together(model: Any, parts: Sequence[Part]) -> list[mx.array]:
-    """The last norm's output for each part's tokens, its cache updated with them."""
+def forward_together(
+    model: Any, parts: Sequence[Part], wanted: Sequence[bool] | None = None
+) -> list[mx.array | None]:
+    """The last norm's output for each part's tokens (None for a part not `wanted`; all are
+    by default), each part's cache updated with its tokens.
+
+    A part not wanted (a prompt's chunk, whose logits nobody reads) still takes its KV in
+    every layer, but its rows leave the pass after the last layer's keys and values: its
+    own pass, evaluated only for its cache, would never compute the rest either."""
+    wanted = [True] * len(parts) if wanted is None else list(wanted)
+    if len(wanted) != len(parts) or not any(wanted):
+        raise ValueError("forward_together needs one flag per part, at least one part wanted")
     inner = model.model
     attend = sys.modules[type(model).__module__].scaled_dot_product_attention
     embedded = [inner.embed_tokens(tokens) for tokens, _ in parts]
     masks = [create_attention_mask(h, c[0]) for h, (_, c) in zip(embedded, parts, strict=True)]
     shapes = [h.shape for h in embedded]
     x = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in embedded])
+    every = [True] * len(parts)
+    last = len(inner.layers) - 1
     for i, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        normed = layer.input_layernorm(x)
-        queries, keys, values = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
-        outputs, start = [], 0
-        for (b, n, _), mask, (_, cache) in zip(shapes, masks, parts, strict=True):
-            rows = slice(start, start + b * n)
-            start += b * n
-            q = queries[rows].reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
-            k = keys[rows].reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            v = values[rows].reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            c = cache[i]
-            q = attn.rope(q, offset=c.offset)
-            k = attn.rope(k, offset=c.offset)
-            k, v = c.update_and_fetch(k, v)
-            out = attend(q, k, v, cache=c, scale=attn.scale, mask=mask)
-            outputs.append(out.transpose(0, 2, 1, 3).reshape(b * n, -1))
-        h = x + attn.o_proj(mx.concatenate(outputs))
-        x = h + layer.mlp(layer.post_attention_layernorm(h))
+        caches = [cache[i] for _, cache in parts]
+        x = _layer(layer, attend, x, shapes, masks, caches, wanted if i == last else every)
     x = inner.norm(x)
-    out, start = [], 0
-    for b, n, d in shapes:
-        out.append(x[start : start + b * n].reshape(b, n, d))
-        start += b * n
+    out: list[mx.array | None] = []
+    start = 0
+    for (b, n, d), keep in zip(shapes, wanted, strict=True):
+        out.append(x[start : start + b * n].reshape(b, n, d) if keep else None)
+        start += b * n if keep else 0
     return out
+
+
+def _layer(
+    layer: Any,
+    attend: Any,
+    x: mx.array,
+    shapes: list[tuple[int, ...]],
+    masks: list[Any],
+    caches: list[Any],
+    keep: list[bool],
+) -> mx.array:
+    """One block over the parts' rows `x`: every part's cache takes its keys and values;
+    the rows of the parts kept go on through attention and the MLP, and are returned."""
+    attn = layer.self_attn
+    spans, start = [], 0
+    for b, n, _ in shapes:
+        spans.append(slice(start, start + b * n))
+        start += b * n
+    kept = [span for span, k in zip(spans, keep, strict=True) if k]
+
+    def rows(a: mx.array) -> mx.array:
+        return a if all(keep) else mx.concatenate([a[span] for span in kept])
+
+    normed = layer.input_layernorm(x)
+    keys, values = attn.k_proj(normed), attn.v_proj(normed)
+    queries = attn.q_proj(rows(normed))
+    outputs, q_start = [], 0
+    for (b, n, _), span, mask, cache, k_ in zip(shapes, spans, masks, caches, keep, strict=True):
+        k = keys[span].reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = values[span].reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset  # before the update moves it on
+        k, v = cache.update_and_fetch(attn.rope(k, offset=offset), v)
+        if not k_:
+            continue
+        q = queries[q_start : q_start + b * n].reshape(b, n, attn.n_heads, -1)
+        q_start += b * n
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        out = attend(q, k, v, cache=cache, scale=attn.scale, mask=mask)
+        outputs.append(out.transpose(0, 2, 1, 3).reshape(b * n, -1))
+    h = rows(x) + attn.o_proj(mx.concatenate(outputs))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def logits(model: Any, hidden: mx.array) -> mx.array:

@@ -15,9 +15,12 @@ from app.runtime.forward_together import forward_together, logits, supports
 from tests.tiny_model import build_tiny_model
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-tied"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    path = build_tiny_model(tmp_path_factory.mktemp(request.param), model_type=request.param)
+    kind, _, tied = request.param.partition("-")
+    path = build_tiny_model(
+        tmp_path_factory.mktemp(request.param), model_type=kind, tie_word_embeddings=bool(tied)
+    )
     return load(str(path))[0]
 
 
@@ -38,23 +41,29 @@ def arrays(cache: list[BatchKVCache]) -> list[np.ndarray]:
     ]
 
 
-def test_one_pass_gives_each_part_what_its_own_pass_gives(model):
+@pytest.mark.parametrize("prompt_wanted", [True, False])
+def test_one_pass_gives_each_part_what_its_own_pass_gives(model, prompt_wanted):
     streams, prompt = filled(model, [7, 19, 12], seed=1), filled(model, [40], seed=2)
     streams_apart, prompt_apart = copy.deepcopy(streams), copy.deepcopy(prompt)
     step = mx.array([[3], [5], [8]])
     chunk = mx.random.randint(0, model.args.vocab_size, (1, 33), key=mx.random.key(3))
 
     expected = model(step, cache=streams_apart)
-    model(chunk, cache=prompt_apart)
-    hidden, prompt_hidden = forward_together(model, [(step, streams), (chunk, prompt)])
+    expected_prompt = model.model(chunk, cache=prompt_apart)
+    parts = [(step, streams), (chunk, prompt)]
+    hidden, prompt_hidden = forward_together(model, parts, wanted=[True, prompt_wanted])
     got = logits(model, hidden)
-    mx.eval(expected, got, prompt_hidden, [c.state for c in streams + prompt + prompt_apart])
+    mx.eval(expected, expected_prompt, got, [c.state for c in streams + prompt + prompt_apart])
 
-    assert got.shape == expected.shape and prompt_hidden.shape == (1, 33, model.args.hidden_size)
     # The same values but for the last bits a matrix product's rows may differ in when the
     # matrix has more of them.
+    assert got.shape == expected.shape
     assert np.allclose(np.array(got), np.array(expected), atol=1e-4)
     assert (np.array(got.argmax(-1)) == np.array(expected.argmax(-1))).all()
+    if prompt_wanted:
+        assert np.allclose(np.array(prompt_hidden), np.array(expected_prompt), atol=1e-4)
+    else:  # left out after its last keys and values, which its cache took all the same
+        assert prompt_hidden is None
     for ours, theirs in zip(
         arrays(streams + prompt), arrays(streams_apart + prompt_apart), strict=True
     ):
