@@ -420,6 +420,17 @@ class Batch:
         if (cached and progress.end_of_prompt) or (request.followers and progress.end_of_segment):
             self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
             self._release(request)
+        elif cached and self._beside_streams(request):
+            # Its KV goes into the cache chunk by chunk, each step copying its own chunk's:
+            # the whole prompt's copy, taken at its first token, fell into one step the
+            # streams waited for (bench/README.md, "One forward pass for a chunk and the
+            # streams' step").
+            self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
+
+    def _beside_streams(self, request: Request) -> bool:
+        """`request` is the one prompt being prefilled, and streams are decoding."""
+        prefilling = [r for r in self.active.values() if r.prefilling]
+        return len(prefilling) == 1 and prefilling[0] is request and len(self.active) > 1
 
     def _deliver(self, request: Request, token: int, logprobs: mx.array, finish, state) -> bool:
         if not deliver(self.engine, request, token, logprobs, finish, state):

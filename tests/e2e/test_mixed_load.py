@@ -375,3 +375,45 @@ def test_a_long_prompts_chunks_run_in_the_streams_pass_and_change_no_output(
     for beside, by_itself in zip(sinks[:2], alone[:2], strict=True):
         assert sum(isinstance(e, Delta) for e in beside) > 40
         assert text(beside).startswith(text(by_itself)) and len(text(by_itself)) > 0
+
+
+def test_a_prompt_prefilled_beside_streams_is_cached_chunk_by_chunk(tiny_model_dir, monkeypatch):
+    import app.engine.batch as batch_module
+
+    stored: list[int] = []  # tokens of each state the long prompt's request put in the cache
+    store = batch_module.store
+
+    def storing(engine: Any, request: Any, state: Any) -> None:
+        if request.tokens == long_prompt:
+            stored.append(len(state[1]))
+        store(engine, request, state)
+
+    monkeypatch.setattr(batch_module, "store", storing)
+    engine = build_engine(Settings(decode_gap=1e-9), str(tiny_model_dir))
+    tokenizer = engine.tokenizer
+    no_end = {t: -100.0 for t in tokenizer.eos_token_ids}
+    long_prompt = (tokenizer.encode("Tell me a long story about the sea. ") * 40)[:400]
+    stream: list[Any] = []
+    long: list[Any] = []
+    again: list[Any] = []
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=no_end)
+    engine.start()
+    try:
+        limit = SamplingParams(max_tokens=3000, logit_bias=no_end)
+        running = engine.submit(tokenizer.encode("Stream: a story."), limit, stream.append)
+        wait_until(lambda: sum(isinstance(e, Delta) for e in stream) > 2)
+        engine.submit(long_prompt, greedy, long.append)
+        wait_until(lambda: ended(long))
+        running.cancel()
+        engine.submit(long_prompt, greedy, again.append)
+        wait_until(lambda: ended(again))
+    finally:
+        engine.stop()
+    # A growing prefix each chunk step, then the whole prompt at its first token (whose
+    # copy is only what the chunks left), then the prompt and its reply as it ended.
+    prompt_end = stored.index(len(long_prompt))
+    chunks = stored[:prompt_end]
+    assert len(chunks) >= (400 - 1) // engine.min_prefill_chunk - 2
+    assert chunks == sorted(set(chunks)) and chunks[-1] < len(long_prompt)
+    assert next(e for e in again if isinstance(e, Started)).cached_tokens == len(long_prompt) - 1
+    assert text(again) == text(long)
