@@ -116,6 +116,17 @@ def test_a_step_faster_than_the_decode_average_is_no_measurement():
     assert abs(costs.per_token(0) - 0.005) < 1e-9 and policy(costs) == 140
 
 
+def test_a_decode_average_far_above_a_whole_steps_time_is_dropped_for_it():
+    costs = costs_of(0.65)  # a stall as the streams started, and no decode step alone since
+    assert policy(costs) == 32
+    costs.saw_step(0.25, 32, decoded=True)  # the streams' step was part of this one
+    assert costs.decode == costs.last_decode == 0.25
+    assert policy(costs) == 32  # nothing of the prompt's cost is known yet, but
+    costs.saw_step(0.45, 32, decoded=True)  # the next step measures it
+    assert abs(costs.per_token(0) - 0.2 / 32) < 1e-9
+    assert policy(costs) == 64  # what fits the gap (88), at most twice the chunk measured
+
+
 def test_past_the_measured_depths_a_chunk_grows_by_steps():
     costs = costs_of(0.08, (16, 0.0005))  # one small chunk measured, and cheap
     assert policy(costs, depth=32) == 200  # 2 x its 100 tokens, not the 512 it would afford
