@@ -41,7 +41,7 @@ OUTLIER = 4.0  # a measurement is taken as at most this many times what was expe
 WINDOW = 16  # prefill measurements the line is fitted to, the newest
 RECENCY = 0.7  # weight of each measurement relative to the next newer one
 MIN_SPREAD = 64  # the measurements' weighted standard deviation of depth to read a slope
-STALE = 0.5  # a decode step measured above 1/STALE times a whole step that decoded is stale
+STALE = 0.5  # with no token's cost known, a decode average above 1/STALE of a step is stale
 
 
 @dataclass
@@ -67,11 +67,18 @@ class StepCosts:
             if decoded:
                 self.saw_decode(seconds)
             return
-        if decoded and self.decode is not None and seconds < STALE * self.decode:
-            # The streams' step was part of this one, so it cost at most this much: a decode
-            # average this far above it is stale (a stall as streams started, and no step
-            # decoded alone since), and would leave a prompt the least chunk step after step.
-            self.decode = self.last_decode = seconds
+        if decoded and self.decode is not None:
+            # The streams' step was part of this one, so it cost at most what the step's
+            # tokens left of it, each at least the cheapest token measured. A decode average
+            # above that is stale (a stall as the streams started, and no step has decoded
+            # alone since), and would leave a prompt small chunks step after step.
+            cheapest = min((c for _, c, _ in self.prefill), default=None)
+            if cheapest is not None:
+                bound = seconds - tokens * cheapest
+            else:  # no token's cost known: the step itself, if far below the average
+                bound = seconds if seconds < STALE * self.decode else self.decode
+            if 0 < bound < self.decode:
+                self.decode = self.last_decode = bound
         if tokens < MIN_MEASURED:
             return
         prefill = seconds - (max(self.decode or 0.0, 0.0) if decoded else 0.0)

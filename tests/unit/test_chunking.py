@@ -116,15 +116,25 @@ def test_a_step_faster_than_the_decode_average_is_no_measurement():
     assert abs(costs.per_token(0) - 0.005) < 1e-9 and policy(costs) == 140
 
 
-def test_a_decode_average_far_above_a_whole_steps_time_is_dropped_for_it():
+def test_a_decode_average_above_what_a_mixed_step_leaves_of_itself_is_dropped():
     costs = costs_of(0.65)  # a stall as the streams started, and no decode step alone since
     assert policy(costs) == 32
     costs.saw_step(0.25, 32, decoded=True)  # the streams' step was part of this one
-    assert costs.decode == costs.last_decode == 0.25
+    assert costs.decode == costs.last_decode == 0.25  # no token's cost known: all of it
     assert policy(costs) == 32  # nothing of the prompt's cost is known yet, but
     costs.saw_step(0.45, 32, decoded=True)  # the next step measures it
     assert abs(costs.per_token(0) - 0.2 / 32) < 1e-9
     assert policy(costs) == 64  # what fits the gap (88), at most twice the chunk measured
+    # Known now: a token costs at least 0.2 / 32 s. A step of 64 tokens in 0.5 s leaves the
+    # streams at most 0.1 s of it.
+    costs.saw_step(0.5, 64, decoded=True, depth=32)
+    assert abs(costs.decode - (0.5 - 64 * 0.2 / 32)) < 1e-9
+
+
+def test_a_mixed_step_within_the_decode_average_leaves_it():
+    costs = costs_of(0.1, (0, 0.002))
+    costs.saw_step(0.6, 200, decoded=True, depth=100)  # leaves 0.2, above the average
+    assert costs.decode == 0.1
 
 
 def test_past_the_measured_depths_a_chunk_grows_by_steps():
