@@ -1,13 +1,14 @@
 """How many prompt tokens to prefill in a step that also decodes running streams.
 
 mlx-lm's `BatchGenerator` runs, each step, one decode step of the running streams
-and one chunk of every prompt being prefilled; the streams wait for both (and for the
-side batch's decode step, when one runs: `placement`; it is measured as part of the
-decode step). A fixed chunk makes that wait whatever the chunk costs: seconds on a
-CPU. Here the chunk is sized each step from measured costs so that a step stays
-within `target_gap` seconds, the longest a stream should wait between two tokens, as
-vLLM's and SGLang's chunked prefill bound a step by a token budget; with nothing
-decoding, the prompt gets the largest chunk, since nobody waits on it.
+and one chunk of every prompt being prefilled (one forward pass for both when one
+prompt is: `generator`); the streams wait for both (and for the side batch's decode
+step, when one runs: `placement`; it is measured as part of the decode step). A
+fixed chunk makes that wait whatever the chunk costs: seconds on a CPU. Here the
+chunk is sized each step from measured costs so that a step stays within
+`target_gap` seconds, the longest a stream should wait between two tokens, as vLLM's
+and SGLang's chunked prefill bound a step by a token budget; with nothing decoding,
+the prompt gets the largest chunk, since nobody waits on it.
 
 A prompt token costs more the deeper in its prompt it is: its attention reads every
 token before it. So a token's cost is read as a line in its depth, fitted to the
@@ -46,9 +47,10 @@ STALE = 0.5  # with no token's cost known, a decode average above 1/STALE of a s
 
 @dataclass
 class StepCosts:
-    """What the steps measured: the decode step's time (a moving average, read as at least
-    its latest measurement) and the prefill's seconds per token at a depth in the prompt.
-    Measurements are a step's wall time, what the running streams wait for."""
+    """What the steps measured: the decode step's time (a moving average of the steps that
+    only decode, read as at least its latest measurement, and lowered to what a step that
+    also prefilled leaves of itself) and the prefill's seconds per token at a depth in the
+    prompt. Measurements are a step's wall time, what the running streams wait for."""
 
     decode: float | None = None  # seconds for one decode step of the running streams
     last_decode: float = 0.0
