@@ -417,15 +417,17 @@ class Batch:
         # Cached once prefilled, not only when it ends: a request that shares the prompt
         # and arrives while this one decodes starts from it.
         cached = self.engine.cache is not None
-        if (cached and progress.end_of_prompt) or (request.followers and progress.end_of_segment):
+        awaited = (cached and progress.end_of_prompt) or (
+            request.followers and progress.end_of_segment
+        )
+        # Beside running streams its KV goes into the cache chunk by chunk too, each step
+        # copying its own chunk's: the whole prompt's copy, taken at its first token, fell
+        # into one step the streams waited for (bench/README.md, "One forward pass for a
+        # chunk and the streams' step").
+        if awaited or (cached and self._beside_streams(request)):
             self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
+        if awaited:
             self._release(request)
-        elif cached and self._beside_streams(request):
-            # Its KV goes into the cache chunk by chunk, each step copying its own chunk's:
-            # the whole prompt's copy, taken at its first token, fell into one step the
-            # streams waited for (bench/README.md, "One forward pass for a chunk and the
-            # streams' step").
-            self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
 
     def _beside_streams(self, request: Request) -> bool:
         """`request` is the one prompt being prefilled, and streams are decoding."""

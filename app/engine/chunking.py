@@ -74,7 +74,7 @@ class StepCosts:
             # tokens left of it, each at least the cheapest token measured. A decode average
             # above that is stale (a stall as the streams started, and no step has decoded
             # alone since), and would leave a prompt small chunks step after step.
-            cheapest = min((c for _, c, _ in self.prefill), default=None)
+            cheapest = self.cheapest()
             if cheapest is not None:
                 bound = seconds - tokens * cheapest
             else:  # no token's cost known: the step itself, if far below the average
@@ -90,6 +90,10 @@ class StepCosts:
         if depth <= self.deepest():  # a guess beyond the line is no measure of a stall
             cost = _bounded(self.per_token(depth), cost)
         self.prefill.append((depth, cost, tokens))
+
+    def cheapest(self) -> float | None:
+        """The lowest seconds per token measured; None with no measurement."""
+        return min((c for _, c, _ in self.prefill), default=None)
 
     def deepest(self) -> float:
         """The deepest measured depth; -1 with no measurement."""
@@ -123,8 +127,7 @@ class StepCosts:
             return None
         base, slope = line
         newest_d, newest_c, _ = self.prefill[-1]
-        cheapest = min(c for _, c, _ in self.prefill)
-        return max(base + slope * depth, newest_c + slope * (depth - newest_d), cheapest)
+        return max(base + slope * depth, newest_c + slope * (depth - newest_d), self.cheapest())
 
 
 def chunk_size(
