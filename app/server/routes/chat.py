@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from ...serving.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse
 from ..auth import Tenant
+from ..loading import OPENAI, respond
 from ..state import State
 
 router = APIRouter(tags=["chat"])
@@ -27,5 +28,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 async def create_chat_completion(
     req: ChatCompletionRequest, request: Request, state: State, tenant: Tenant
 ):
-    async with state.model(req.model) as served:
-        return await served.chat.create(req, request, tenant)
+    return await respond(
+        state,
+        req.model,
+        lambda served: served.chat.create(req, request, tenant),
+        OPENAI if req.stream else None,
+    )

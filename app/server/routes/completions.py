@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 
 from ...serving.schemas import Completion, CompletionRequest
 from ..auth import Tenant
+from ..loading import OPENAI, respond
 from ..state import State
 from .chat import ERRORS
 
@@ -16,5 +17,9 @@ router = APIRouter(tags=["completions"])
     "/v1/completions", response_model=Completion, responses=ERRORS, summary="Create a completion"
 )
 async def create_completion(req: CompletionRequest, request: Request, state: State, tenant: Tenant):
-    async with state.model(req.model) as served:
-        return await served.completions.create(req, request, tenant)
+    return await respond(
+        state,
+        req.model,
+        lambda served: served.completions.create(req, request, tenant),
+        OPENAI if req.stream else None,
+    )

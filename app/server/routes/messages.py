@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from ...models.pool import UnknownModel
 from ...serving.anthropic import CountTokensRequest, MessagesRequest
 from ..auth import Tenant
+from ..loading import ANTHROPIC, respond
 from ..state import ServerState, State
 
 router = APIRouter(tags=["messages"])
@@ -14,8 +15,12 @@ router = APIRouter(tags=["messages"])
 
 @router.post("/v1/messages", summary="Create a message (Anthropic's API)")
 async def create_message(req: MessagesRequest, request: Request, state: State, tenant: Tenant):
-    async with state.model(_model_for(state, req.model)) as served:
-        return await served.messages.create(req, request, tenant)
+    return await respond(
+        state,
+        _model_for(state, req.model),
+        lambda served: served.messages.create(req, request, tenant),
+        ANTHROPIC if req.stream else None,
+    )
 
 
 @router.post("/v1/messages/count_tokens", summary="Count a message's input tokens")

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 
 from ...serving.responses import ResponsesRequest
 from ..auth import Tenant
+from ..loading import RESPONSES, respond
 from ..state import State
 
 router = APIRouter(tags=["responses"])
@@ -13,5 +14,9 @@ router = APIRouter(tags=["responses"])
 
 @router.post("/v1/responses", summary="Create a response (OpenAI's Responses API)")
 async def create_response(req: ResponsesRequest, request: Request, state: State, tenant: Tenant):
-    async with state.model(req.model) as served:
-        return await served.responses.create(req, request, tenant)
+    return await respond(
+        state,
+        req.model,
+        lambda served: served.responses.create(req, request, tenant),
+        RESPONSES if req.stream else None,
+    )
