@@ -272,6 +272,7 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(pool, settings=settings, metrics=metrics)
 
     def stop_engines() -> None:
+        pool.stopping.set()
         for loaded in pool.loaded():
             if loaded.served.engine is not None:
                 loaded.served.engine.stop()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -121,6 +122,9 @@ class ModelPool(Generic[S]):
         self._wanted: Counter[str] = Counter()  # requests waiting in `use` for a model
         self._blocked: dict[str, list[str]] = {}  # a load waiting for busy models' room
         self._closed = False
+        # Set once the server ends the requests still running (its shutdown grace over):
+        # a stream still waiting for a load stops waiting (`server.loading`).
+        self.stopping = threading.Event()
         self._changing = asyncio.Lock()
         self._fetches = ThreadPoolExecutor(8, thread_name_prefix="model-fetch")
         self.loads: Counter[str] = Counter()
@@ -260,6 +264,7 @@ class ModelPool(Generic[S]):
     def close(self) -> None:
         """Unload everything (at shutdown); a load still running is undone when it ends."""
         self._closed = True
+        self.stopping.set()
         self._fetches.shutdown(wait=False)  # a fetch under way ends on its own; none start
         for model_id in list(self._loaded):
             self._close(model_id, self._loaded.pop(model_id).served)

@@ -59,15 +59,21 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
-        # The detail is for the operator; the client gets what it can act on.
-        request_id = f"req-{uuid.uuid4().hex[:16]}"
-        log.exception("unhandled error (request id %s)", request_id)
-        message = (
-            f"The server had an error while processing your request (request id {request_id}). "
-            "Retry; if it persists, report the request id."
-        )
-        body = error_body(message, "server_error")
+        body, request_id = logged_failure()
         return _response(request, 500, body, {"x-request-id": request_id})
+
+
+def logged_failure() -> tuple[dict, str]:
+    """The 500 body for the error being handled, logged under a new request id; the id.
+
+    The detail is for the operator; the client gets what it can act on."""
+    request_id = f"req-{uuid.uuid4().hex[:16]}"
+    log.exception("unhandled error (request id %s)", request_id)
+    message = (
+        f"The server had an error while processing your request (request id {request_id}). "
+        "Retry; if it persists, report the request id."
+    )
+    return error_body(message, "server_error"), request_id
 
 
 # Anthropic's error types by status, for its Messages API's routes.

@@ -6,10 +6,10 @@ up on a connection that sends nothing for long, which is why a stream sends keep
 while its prompt prefills (`serving.sse`). A streamed request whose model is not ready
 within `LOAD_GRACE` gets its response at once: its API's keep-alive every
 `KEEP_ALIVE_EVERY` seconds while the model loads, then the stream as it would have come.
-Once the response has started its status is sent, so what fails after that (the load,
-or the request's own checks, which need the model's tokenizer) comes as the API's error
-event, which the official SDKs raise. Within the grace nothing changes: every error
-keeps its status.
+Once the response has started its status (and headers, such as `Retry-After`) are sent,
+so what fails after that (the load, the request's own checks, which need the model's
+tokenizer, or the server stopping) comes as the API's error event, which the official
+SDKs raise. Within the grace nothing changes: every error keeps its status.
 """
 
 from __future__ import annotations
@@ -17,52 +17,56 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import uuid
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import StreamingResponse
-
 from ..serving.errors import APIError, error_body
+from ..serving.responses import ResponsesRequest, failed_stream
 from ..serving.sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, SSE_DONE, EventStream
-from .errors import shaped
+from .errors import logged_failure, shaped
 from .loader import ServedModel
 from .state import ServerState
 
-log = logging.getLogger("mlx_cache_server.errors")
-
 LOAD_GRACE = KEEP_ALIVE_EVERY  # seconds a stream waits for its model before it starts
+STOP_POLL = 0.25  # seconds between looks at whether the server stops
 
 Answer = Callable[[ServedModel], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
 class StreamShape:
-    """How an API's stream says "still here" and "failed" (from an OpenAI-shaped body)."""
+    """How an API's stream says "still here", and "failed" (from an OpenAI-shaped body)."""
 
     keep_alive: str
     error: Callable[[int, dict[str, Any]], str]
+
+
+def _data(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n{SSE_DONE}"
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _responses_error(status: int, body: dict[str, Any]) -> str:
-    error = body["error"]
-    data = {"type": "error", "sequence_number": 0, "code": error["code"] or error["type"],
-            "message": error["message"], "param": error["param"]}  # fmt: skip
-    return _event("error", data)
-
-
-OPENAI = StreamShape(KEEP_ALIVE, lambda status, body: f"data: {json.dumps(body)}\n\n{SSE_DONE}")
+OPENAI = StreamShape(KEEP_ALIVE, lambda status, body: _data(body))
 ANTHROPIC = StreamShape(
     _event("ping", {"type": "ping"}),
     lambda status, body: _event("error", shaped("/v1/messages", status, body)),
 )
-RESPONSES = StreamShape(KEEP_ALIVE, _responses_error)
+
+
+def responses(req: ResponsesRequest) -> StreamShape:
+    """The Responses API's: a failure is a response created and failed, as the SDK's stream
+    helper expects of any stream."""
+
+    def error(status: int, body: dict[str, Any]) -> str:
+        e = body["error"]
+        return failed_stream(req, e["code"] or e["type"], e["message"])
+
+    return StreamShape(KEEP_ALIVE, error)
 
 
 async def respond(
@@ -84,50 +88,77 @@ async def respond(
         await _settle(entering, lease)
         raise
     if not entering.done():
-        return EventStream(_loading(entering, lease, answer, stream))
+        return EventStream(_WhileLoading(entering, lease, answer, stream, state))
     served = entering.result()  # the pool's refusals: the API's errors, with their status
     async with lease:
         return await answer(served)
 
 
-async def _loading(
-    entering: asyncio.Future, lease: contextlib.AsyncExitStack, answer: Answer, shape: StreamShape
-) -> AsyncIterator[str]:
-    try:
-        yield shape.keep_alive  # bytes at once: the grace is over
-        while not entering.done():
-            await asyncio.wait({entering}, timeout=KEEP_ALIVE_EVERY)
-            if not entering.done():
-                yield shape.keep_alive
+class _WhileLoading:
+    """The stream's body: `_loading`'s, and the wait for the model settled when it is
+    closed, even if it never started (a generator that never ran skips its `finally`)."""
+
+    def __init__(
+        self,
+        entering: asyncio.Future,
+        lease: contextlib.AsyncExitStack,
+        answer: Answer,
+        shape: StreamShape,
+        state: ServerState,
+    ) -> None:
+        self._entering, self._lease = entering, lease
+        self._body = _loading(entering, lease, answer, shape, state)
+
+    def __aiter__(self) -> _WhileLoading:
+        return self
+
+    async def __anext__(self) -> str:
+        return await anext(self._body)
+
+    async def aclose(self) -> None:
         try:
-            served = entering.result()
-            async with lease:  # held while the request starts, as a route holds it
-                response = await answer(served)
-        except APIError as e:
-            yield shape.error(e.status, error_body(e.message, e.type, e.param, e.code))
-            return
-        except Exception:
-            request_id = f"req-{uuid.uuid4().hex[:16]}"
-            log.exception("unhandled error (request id %s)", request_id)
-            message = (
-                f"The server had an error while processing your request (request id "
-                f"{request_id}). Retry; if it persists, report the request id."
+            await self._body.aclose()
+        finally:
+            await _settle(self._entering, self._lease)
+
+
+async def _loading(
+    entering: asyncio.Future,
+    lease: contextlib.AsyncExitStack,
+    answer: Answer,
+    shape: StreamShape,
+    state: ServerState,
+) -> AsyncIterator[str]:
+    yield shape.keep_alive  # bytes at once: the grace is over
+    sent = time.monotonic()
+    while not entering.done():
+        if state.models.stopping.is_set():  # its shutdown grace over: end it properly
+            yield shape.error(
+                503, error_body("The server is shutting down.", "service_unavailable")
             )
-            yield shape.error(500, error_body(message, "server_error"))
             return
-        if not isinstance(response, StreamingResponse):  # a surface answered a stream whole
-            raise TypeError(f"a streamed request was answered with {type(response).__name__}")
-        body = response.body_iterator
-        async with contextlib.aclosing(body):  # type: ignore[type-var]
-            async for chunk in body:
-                yield chunk
-    finally:
-        await _settle(entering, lease)
+        await asyncio.wait({entering}, timeout=STOP_POLL)
+        if not entering.done() and time.monotonic() - sent >= KEEP_ALIVE_EVERY:
+            yield shape.keep_alive
+            sent = time.monotonic()
+    try:
+        served = entering.result()
+        async with lease:  # held while the request starts, as a route holds it
+            response = await answer(served)
+    except APIError as e:
+        yield shape.error(e.status, error_body(e.message, e.type, e.param, e.code))
+        return
+    except Exception:
+        yield shape.error(500, logged_failure()[0])
+        return
+    async with contextlib.aclosing(response.body_iterator) as body:
+        async for chunk in body:
+            yield chunk
 
 
 async def _settle(entering: asyncio.Future, lease: contextlib.AsyncExitStack) -> None:
     """The wait for the model over: cancelled if it still waits, its lease released if it
-    was given one and nobody took it."""
+    was given one and nobody took it. Idempotent."""
     if not entering.done():
         entering.cancel()
         try:

@@ -250,6 +250,18 @@ def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": spec.get("type")}
 
 
+def failed_stream(req: ResponsesRequest, code: str, message: str) -> str:
+    """The whole stream of a response that failed before it started (its model's load, say):
+    `response.created`, then `response.failed` with the error, as a failed generation ends."""
+    response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), set())
+    failed = response.body([], None, None, "failed")
+    failed["error"] = {"code": code, "message": message}
+    created = response.event(
+        "response.created", response=response.body([], None, None, "in_progress")
+    )
+    return created + response.event("response.failed", response=failed)
+
+
 class ResponsesServing:
     def __init__(self, chat: ChatCompletionsServing) -> None:
         self.chat = chat

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from ...serving.responses import ResponsesRequest
 from ..auth import Tenant
-from ..loading import RESPONSES, respond
+from ..loading import respond, responses
 from ..state import State
 
 router = APIRouter(tags=["responses"])
@@ -18,5 +18,5 @@ async def create_response(req: ResponsesRequest, request: Request, state: State,
         state,
         req.model,
         lambda served: served.responses.create(req, request, tenant),
-        RESPONSES if req.stream else None,
+        responses(req) if req.stream else None,
     )
