@@ -10,11 +10,17 @@ so that a chunk's scores stay under `CHUNK_SCORES` values (a chunk holds at leas
 one query per sequence, so a decode step's scores are computed at once): rows are
 independent, so each is an exact softmax, with no rescaling.
 
+A decode step (one query a sequence) over a short context (`DECODE_MAX_KEYS`) is the
+exception (`decode_attention`): all of it runs in numpy, its small matmuls included. There
+MLX's kernel spent most of its time in its scalar `exp` and its many small ops, and
+`attention` in the round trips of MLX's two matmuls (bench/README.md, "Decode steps'
+attention"); over longer contexts numpy's path measured slower.
+
 It takes over only where it is faster and means the same: MLX's CPU device, float32
-queries, keys and values, no quantized cache, no attention sinks, and enough scores
-that the round trip through numpy pays (`MIN_SCORES`: a prefill chunk over a long
-context, or a decode step of many streams or heads over one). Everything else goes
-to mlx-lm's own `scaled_dot_product_attention`.
+queries, keys and values, no quantized cache, no attention sinks, and such a decode step
+or enough scores that the round trip through numpy pays (`MIN_SCORES`: a prefill chunk
+over a long context, a decode step of many streams over a longer one). Everything else
+goes to mlx-lm's own `scaled_dot_product_attention`.
 
 It is installed by rebinding the name a model's modules call (`install`, through
 `model_hooks.rebind`), mlx-lm's attention entry point: no mlx-lm file is changed, and
@@ -33,6 +39,9 @@ from .model_hooks import rebind
 
 MIN_SCORES = 1 << 18  # scores of one call below which MLX's own kernel is as fast
 CHUNK_SCORES = 1 << 22  # scores computed at once (16 MiB of float32)
+# Keys a sequence attends to beyond which a decode step stays with MLX: numpy's path was
+# faster up to ~350 keys and slower from ~500 (bench/README.md, "Decode steps' attention").
+DECODE_MAX_KEYS = 384
 
 LOWEST = np.finfo(np.float32).min
 
@@ -53,7 +62,15 @@ def scaled_dot_product_attention(
         return base.scaled_dot_product_attention(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
-    return attention(queries, keys, values, scale, mask)
+    b, h, n_queries, _ = queries.shape
+    n_keys = keys.shape[2]
+    if n_queries == 1 and n_keys <= DECODE_MAX_KEYS:
+        return decode_attention(queries, keys, values, scale, mask)
+    if b * h * n_queries * n_keys >= MIN_SCORES:
+        return attention(queries, keys, values, scale, mask)
+    return base.scaled_dot_product_attention(
+        queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+    )
 
 
 def _eligible(queries: mx.array, keys: Any, values: Any, cache: Any, mask: Any, sinks: Any) -> bool:
@@ -61,10 +78,7 @@ def _eligible(queries: mx.array, keys: Any, values: Any, cache: Any, mask: Any, 
         return False
     if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, mx.float32):
         return False
-    if not all(isinstance(a, mx.array) and a.dtype == mx.float32 for a in (queries, keys, values)):
-        return False
-    b, h, n_queries, _ = queries.shape
-    return b * h * n_queries * keys.shape[-2] >= MIN_SCORES
+    return all(isinstance(a, mx.array) and a.dtype == mx.float32 for a in (queries, keys, values))
 
 
 def attention(
@@ -94,18 +108,8 @@ def attention(
         s = np.asarray(scores)  # this step's own buffer: worked on in place
         if not s.flags.writeable:
             s = s.copy()
-        if m is not None:
-            part = m[..., at : at + step, :] if m.shape[-2] > 1 else m
-            if part.dtype == np.bool_:  # a finite floor, as MLX's: no NaN from a masked row
-                np.copyto(s, LOWEST, where=~part)
-            else:
-                s += part
-        top = s.max(axis=-1, keepdims=True)
-        top[~np.isfinite(top)] = 0  # a row an additive mask fully masks: zeros, not NaN
-        s -= top
-        np.exp(s, out=s)
-        total = s.sum(axis=-1, keepdims=True)
-        total[total == 0] = 1
+        part = None if m is None else m[..., at : at + step, :] if m.shape[-2] > 1 else m
+        total = _exp_rows(s, part)
         # Written in place when numpy could: then the scores' own buffer holds the weights.
         weights = scores if np.shares_memory(s, np.asarray(scores)) else mx.array(s)
         part = (weights @ v) / mx.array(total)
@@ -113,6 +117,44 @@ def attention(
         parts.append(part)
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=3)
     return out.reshape(b, n_heads, n_q, -1)
+
+
+def decode_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array:
+    """`attention` for one query per sequence (a decode step), all of it in numpy.
+
+    Its two matmuls are small (a few query heads against each sequence's keys): MLX's
+    kernel pays more for its scalar `exp` and its many small ops, and `attention` for
+    the round trips of MLX's matmuls, than numpy takes for the whole.
+    """
+    b, n_heads, _, dim = queries.shape
+    n_kv, n_k = keys.shape[1], keys.shape[2]
+    groups = n_heads // n_kv
+    mx.eval(queries, keys, values, *([mask] if isinstance(mask, mx.array) else []))
+    q = np.asarray(queries).reshape(b, n_kv, groups, dim) * np.float32(scale)
+    s = q @ np.asarray(keys).swapaxes(-1, -2)  # (batch, kv heads, groups, keys)
+    m = _mask(mask, b, n_kv, groups, 1, n_k)
+    s /= _exp_rows(s, None if m is None else m[..., 0, :])
+    out = s @ np.asarray(values)
+    return mx.array(out.reshape(b, n_heads, 1, -1))
+
+
+def _exp_rows(s: np.ndarray, m: np.ndarray | None) -> np.ndarray:
+    """exp(scores + mask - each row's largest) in place in `s`; the rows' sums (1 for a row
+    with nothing to sum), to divide by."""
+    if m is not None:
+        if m.dtype == np.bool_:  # a finite floor, as MLX's: no NaN from a masked row
+            np.copyto(s, LOWEST, where=~m)
+        else:
+            s += m
+    top = s.max(axis=-1, keepdims=True)
+    top[~np.isfinite(top)] = 0  # a row an additive mask fully masks: zeros, not NaN
+    s -= top
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    total[total == 0] = 1
+    return total
 
 
 def _mask(mask: Any, b: int, n_kv: int, groups: int, n_q: int, n_k: int) -> np.ndarray | None:

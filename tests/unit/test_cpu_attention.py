@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from app.runtime import cpu_attention
 
@@ -49,6 +49,43 @@ def test_equals_mlx_within_float32_tolerance(shape, mask_kind):
     np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=2e-5)
 
 
+DECODE_SHAPES = {
+    "GQA, streams over a short context": (16, 9, 3, 1, 161, 64),
+    "no GQA, one stream over a long one": (1, 4, 4, 1, 4000, 32),
+}
+
+
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive"])
+def test_a_decode_steps_attention_equals_mlx_within_float32_tolerance(shape, mask_kind):
+    batch, heads, kv_heads, queries, keys, dim = DECODE_SHAPES[shape]
+    q, k, v = qkv(batch, heads, kv_heads, queries, keys, dim, seed=3)
+    mask = {"none": None, "causal": "causal"}.get(mask_kind)
+    if mask_kind in ("boolean", "additive"):
+        mask = left_padding_mask(batch, queries, keys, [(7 * i) % 50 for i in range(batch)])
+        if mask_kind == "additive":
+            mask = mx.where(mask, 0.0, -1e9).astype(mx.float32)
+    scale = dim**-0.5
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    got = cpu_attention.decode_attention(q, k, v, scale, mask)
+    assert got.shape == expected.shape and got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=2e-5)
+
+
+def test_a_decode_step_reads_the_caches_keys_in_place():
+    """The keys and values a batch's cache returns are a slice of its buffer: strided."""
+    cache = BatchKVCache(left_padding=[0, 3])
+    k, v = (mx.random.normal((2, 2, 40, 16), key=mx.random.key(i)) for i in (1, 2))
+    cache.update_and_fetch(k, v)
+    mask = cache.make_mask(1)
+    q = mx.random.normal((2, 4, 1, 16), key=mx.random.key(3))
+    keys, values = cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    assert not np.asarray(keys).flags.c_contiguous  # the case under test
+    expected = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=mask)
+    got = cpu_attention.decode_attention(q, keys, values, 0.25, mask)
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-4, atol=2e-5)
+
+
 def test_query_chunks_give_the_same_rows(monkeypatch):
     q, k, v = qkv(1, 9, 3, 100, 1000, 64, seed=1)
     whole = cpu_attention.attention(q, k, v, 0.125, "causal")
@@ -59,10 +96,11 @@ def test_query_chunks_give_the_same_rows(monkeypatch):
 
 
 def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
-    calls = []
+    calls, decoded = [], []
     monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: decoded.append(a) or a[0])
     big = qkv(1, 9, 3, 100, 4100, 64)
-    small = qkv(1, 9, 3, 1, 100, 64)
+    small = qkv(1, 9, 3, 2, 100, 64)
 
     def run(q, k, v, cache=None):
         return cpu_attention.scaled_dot_product_attention(
@@ -72,6 +110,10 @@ def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     run(*big, cache=KVCache())
     assert len(calls) == 1
     run(*small)  # too few scores to pay for the round trip
+    run(*qkv(4, 9, 3, 1, 100, 64))  # one query a sequence: a decode step's own path
+    run(*qkv(16, 9, 3, 1, 2000, 64))  # ... over a short context only: here, enough scores
+    run(*qkv(1, 9, 3, 1, 2000, 64))  # ... or MLX's
+    assert len(decoded) == 1 and len(calls) == 2
     run(*(a.astype(mx.float16) for a in big))
     quantized = QuantizedKVCache(group_size=64, bits=8)
     q, k, v = big
@@ -82,7 +124,8 @@ def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     assert out.shape == q.shape
     monkeypatch.setattr(cpu_attention, "enabled", False)
     run(*big)
-    assert len(calls) == 1
+    run(*qkv(4, 9, 3, 1, 100, 64))
+    assert len(calls) == 2 and len(decoded) == 1
 
 
 def test_install_routes_the_models_attention_here(tiny_model, monkeypatch):
