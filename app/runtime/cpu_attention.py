@@ -4,14 +4,15 @@ On Linux, MLX's CPU backend computes `exp` one element at a time, and a prefill
 chunk's softmax over a long context is most of its attention's time (bench/README.md,
 "Attention on the Linux CPU"). Here the two matmuls stay in MLX (its BLAS) and the
 softmax runs in numpy on a zero-copy view of the scores: its SIMD exp. numpy's own
-BLAS is not used: a second BLAS thread pool spinning beside MLX's slowed every
+BLAS is not used for them: a second BLAS thread pool spinning beside MLX's slowed every
 matmul of the forward pass on a machine with few cores. Queries are taken in chunks
 so that a chunk's scores stay under `CHUNK_SCORES` values (a chunk holds at least
 one query per sequence, so a decode step's scores are computed at once): rows are
 independent, so each is an exact softmax, with no rescaling.
 
 A decode step (one query a sequence) over a short context (`DECODE_MAX_KEYS`) is the
-exception (`decode_attention`): all of it runs in numpy, its small matmuls included. There
+exception (`decode_attention`): all of it runs in numpy, its matmuls included, each small
+enough that numpy's BLAS keeps it on the calling thread (`DECODE_MAX_PRODUCT`). There
 MLX's kernel spent most of its time in its scalar `exp` and its many small ops, and
 `attention` in the round trips of MLX's two matmuls (bench/README.md, "Decode steps'
 attention"); over longer contexts numpy's path measured slower.
@@ -42,6 +43,10 @@ CHUNK_SCORES = 1 << 22  # scores computed at once (16 MiB of float32)
 # Keys a sequence attends to beyond which a decode step stays with MLX: numpy's path was
 # faster up to ~350 keys and slower from ~500 (bench/README.md, "Decode steps' attention").
 DECODE_MAX_KEYS = 384
+# And a product (query heads a key head serves x head size x keys) past which numpy's
+# OpenBLAS would spread it over its own threads, which spin beside MLX's: models with many
+# query heads to a key head (multi-head latent attention) stay with MLX.
+DECODE_MAX_PRODUCT = 1 << 18
 
 LOWEST = np.finfo(np.float32).min
 
@@ -62,10 +67,11 @@ def scaled_dot_product_attention(
         return base.scaled_dot_product_attention(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
-    b, h, n_queries, _ = queries.shape
-    n_keys = keys.shape[2]
+    b, h, n_queries, dim = queries.shape
+    n_kv, n_keys = keys.shape[1], keys.shape[2]
     if n_queries == 1 and n_keys <= DECODE_MAX_KEYS:
-        return decode_attention(queries, keys, values, scale, mask)
+        if (h // n_kv) * max(dim, values.shape[-1]) * n_keys <= DECODE_MAX_PRODUCT:
+            return decode_attention(queries, keys, values, scale, mask)
     if b * h * n_queries * n_keys >= MIN_SCORES:
         return attention(queries, keys, values, scale, mask)
     return base.scaled_dot_product_attention(
@@ -141,8 +147,8 @@ def decode_attention(
 
 
 def _exp_rows(s: np.ndarray, m: np.ndarray | None) -> np.ndarray:
-    """exp(scores + mask - each row's largest) in place in `s`; the rows' sums (1 for a row
-    with nothing to sum), to divide by."""
+    """exp(scores + mask - each row's largest) in place in `s`, and the rows' sums to divide
+    by: in place, since a long context's scores are the largest array attention makes."""
     if m is not None:
         if m.dtype == np.bool_:  # a finite floor, as MLX's: no NaN from a masked row
             np.copyto(s, LOWEST, where=~m)

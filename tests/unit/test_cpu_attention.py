@@ -51,20 +51,22 @@ def test_equals_mlx_within_float32_tolerance(shape, mask_kind):
 
 DECODE_SHAPES = {
     "GQA, streams over a short context": (16, 9, 3, 1, 161, 64),
-    "no GQA, one stream over a long one": (1, 4, 4, 1, 4000, 32),
+    "no GQA, two streams over a longer one": (2, 4, 4, 1, 384, 32),
 }
 
 
 @pytest.mark.parametrize("shape", list(DECODE_SHAPES))
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive", "per head"])
 def test_a_decode_steps_attention_equals_mlx_within_float32_tolerance(shape, mask_kind):
     batch, heads, kv_heads, queries, keys, dim = DECODE_SHAPES[shape]
     q, k, v = qkv(batch, heads, kv_heads, queries, keys, dim, seed=3)
     mask = {"none": None, "causal": "causal"}.get(mask_kind)
     if mask_kind in ("boolean", "additive"):
-        mask = left_padding_mask(batch, queries, keys, [(7 * i) % 50 for i in range(batch)])
+        mask = left_padding_mask(batch, queries, keys, [(7 * i + 5) % 50 for i in range(batch)])
         if mask_kind == "additive":
             mask = mx.where(mask, 0.0, -1e9).astype(mx.float32)
+    if mask_kind == "per head":  # an additive bias of each query head's own (as MLA passes)
+        mask = mx.random.normal((batch, heads, queries, keys), key=mx.random.key(4)) * 3
     scale = dim**-0.5
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     got = cpu_attention.decode_attention(q, k, v, scale, mask)
@@ -111,9 +113,11 @@ def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     assert len(calls) == 1
     run(*small)  # too few scores to pay for the round trip
     run(*qkv(4, 9, 3, 1, 100, 64))  # one query a sequence: a decode step's own path
-    run(*qkv(16, 9, 3, 1, 2000, 64))  # ... over a short context only: here, enough scores
-    run(*qkv(1, 9, 3, 1, 2000, 64))  # ... or MLX's
-    assert len(decoded) == 1 and len(calls) == 2
+    run(*qkv(1, 9, 3, 1, cpu_attention.DECODE_MAX_KEYS, 64))  # ... up to so many keys
+    run(*qkv(16, 9, 3, 1, 2000, 64))  # ... not past them: here, enough scores for numpy's
+    run(*qkv(1, 9, 3, 1, cpu_attention.DECODE_MAX_KEYS + 1, 64))  # ... or MLX's
+    run(*qkv(1, 128, 1, 1, 300, 64))  # many query heads to a key head: MLX's
+    assert len(decoded) == 2 and len(calls) == 2
     run(*(a.astype(mx.float16) for a in big))
     quantized = QuantizedKVCache(group_size=64, bits=8)
     q, k, v = big
@@ -125,7 +129,7 @@ def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     monkeypatch.setattr(cpu_attention, "enabled", False)
     run(*big)
     run(*qkv(4, 9, 3, 1, 100, 64))
-    assert len(calls) == 2 and len(decoded) == 1
+    assert len(calls) == 2 and len(decoded) == 2
 
 
 def test_install_routes_the_models_attention_here(tiny_model, monkeypatch):
