@@ -67,6 +67,11 @@ class ModelUnavailable(RuntimeError):
         self.retry = retry
 
 
+class FetchUnavailable(RuntimeError):
+    """A model's files could not be fetched for now (no connection to the hub, the hub's own
+    failure): unlike a model that does not exist, a later request may find them."""
+
+
 class ModelTooLarge(ModelUnavailable):
     """The model cannot fit the budget even beside the pinned models alone: not now, not later."""
 
@@ -360,7 +365,8 @@ class ModelPool(Generic[S]):
         except Exception as e:
             log.exception("fetching model %s failed", spec.id)
             raise ModelUnavailable(
-                f"The model '{spec.id}' could not be fetched: {e}", retry=False
+                f"The model '{spec.id}' could not be fetched: {e}",
+                retry=isinstance(e, FetchUnavailable),
             ) from e
         if self._closed:
             raise ModelUnavailable("The server is shutting down.")

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..engine import Engine
 from ..models.embedding import Embedder, Pooling, sentence_transformers_pooling
-from ..models.pool import ModelPool
+from ..models.pool import FetchUnavailable, ModelPool
 from ..models.specs import ModelSpec
 from ..runtime import memory
 from ..serving.anthropic import MessagesServing
@@ -114,7 +114,12 @@ class ModelLoader:
         # One download or import at a time (an import holds the converted weights outside
         # the budget, and two downloads only share the bandwidth); a model on disk never waits.
         with contextlib.nullcontext() if on_disk else self._fetching:
-            self._fetched[spec.id] = fetched_path(spec, log.info)
+            try:
+                self._fetched[spec.id] = fetched_path(spec, log.info)
+            except Exception as e:
+                if may_recover(e):
+                    raise FetchUnavailable(str(e)) from e
+                raise
 
     def open(self, spec: ModelSpec) -> ServedModel:
         from .app import build_engine
@@ -256,6 +261,20 @@ def fetched_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: No
     from mlx_lm.utils import _download
 
     return str(_download(str(model_path(spec, progress))))
+
+
+def may_recover(error: Exception) -> bool:
+    """Whether a fetch that failed with `error` may succeed later: the hub unreachable (and
+    the files not cached), or the hub's own failure (a 5xx, a 429); not a model that does not
+    exist, a gated one, or a file that cannot be imported."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    if isinstance(error, LocalEntryNotFoundError):  # what the hub raises with no connection
+        return True
+    if isinstance(error, HfHubHTTPError):
+        status = getattr(error.response, "status_code", None)
+        return status is None or status >= 500 or status == 429
+    return isinstance(error, ConnectionError | TimeoutError)
 
 
 def _bidirectional(path: str) -> bool:

@@ -6,6 +6,7 @@ import threading
 import time
 
 import app.server.loader as loader_module
+from app.models.pool import FetchUnavailable
 from app.models.specs import ModelSpec
 from app.server.loader import ModelLoader
 from app.settings import Settings
@@ -52,3 +53,44 @@ def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_p
         t.join(5)
     assert most[0] == 2  # the local one beside a download, never two downloads
     assert sorted(calls) == ["hub-1", "hub-2", "local"]
+
+
+def test_a_fetch_failing_for_now_is_told_from_one_that_cannot_succeed(tmp_path, monkeypatch):
+    import httpx2
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    def failing(status: int, kind: type = HfHubHTTPError) -> Exception:
+        request = httpx2.Request("GET", "https://huggingface.co/api/models/x")
+        return kind(f"{status}", response=httpx2.Response(status, request=request))
+
+    errors = {
+        "offline": LocalEntryNotFoundError("cannot find the files; check your connection"),
+        "hub 503": failing(503),
+        "hub 429": failing(429),
+        "no such repo": failing(404, RepositoryNotFoundError),
+        "gated": failing(401),
+        "a file that is no GGUF": ValueError("not a GGUF file"),
+    }
+    recoverable = {name for name, e in errors.items() if loader_module.may_recover(e)}
+    assert recoverable == {"offline", "hub 503", "hub 429"}
+
+    # The loader says so to the pool: its typed error, with the hub's message.
+    monkeypatch.setattr(loader_module, "local_folder", lambda spec: None)
+    loader = ModelLoader(Settings(), metrics=None, names=None)
+    for name, error in errors.items():
+
+        def fetched_path(spec, progress=None, error=error):
+            raise error
+
+        monkeypatch.setattr(loader_module, "fetched_path", fetched_path)
+        try:
+            loader.fetch(ModelSpec("x", "org/x"))
+        except Exception as e:
+            assert isinstance(e, FetchUnavailable) == (name in recoverable), name
+            assert str(error) in str(e)
+        else:
+            raise AssertionError(f"{name}: the fetch did not fail")

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from app.models.pool import ModelBusy, ModelPool, ModelTooLarge, ModelUnavailable, UnknownModel
+from app.models.pool import (
+    FetchUnavailable,
+    ModelBusy,
+    ModelPool,
+    ModelTooLarge,
+    ModelUnavailable,
+    UnknownModel,
+)
 from app.models.specs import ModelSpec
 
 
@@ -35,6 +42,7 @@ class FakeLoader:
     fetched: set[str] = field(default_factory=set)
     slow_fetch: dict[str, threading.Event] = field(default_factory=dict)  # fetches that wait
     events: list[str] = field(default_factory=list)  # "fetch b", "open b", "close a", in order
+    fetch_errors: dict[str, Exception] = field(default_factory=dict)  # fetches that fail so
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -42,6 +50,8 @@ class FakeLoader:
     def fetch(self, spec: ModelSpec) -> None:
         if spec.id in self.slow_fetch:
             self.slow_fetch[spec.id].wait(10)
+        if spec.id in self.fetch_errors:
+            raise self.fetch_errors[spec.id]
         self.events.append(f"fetch {spec.id}")
         self.fetched.add(spec.id)
 
@@ -215,6 +225,26 @@ def test_a_failed_load_fails_its_requests_and_the_next_request_tries_again():
             return served
 
     assert run(main()).spec.id == "b"
+
+
+def test_a_fetch_failed_for_now_may_be_retried_and_one_that_cannot_succeed_may_not():
+    p, loader = pool()
+    loader.unfetched["b"] = loader.unfetched["c"] = 0
+    loader.fetch_errors["b"] = FetchUnavailable("hub unreachable")
+    loader.fetch_errors["c"] = ValueError("not a GGUF file")
+
+    async def refusal(name: str) -> ModelUnavailable:
+        with pytest.raises(ModelUnavailable) as e:
+            async with p.use(name):
+                pass
+        return e.value
+
+    async def main() -> tuple[ModelUnavailable, ModelUnavailable]:
+        return await refusal("b"), await refusal("c")
+
+    now, never = run(main())
+    assert now.retry and "hub unreachable" in str(now)
+    assert not never.retry and "not a GGUF file" in str(never)
 
 
 def test_unload_is_refused_while_busy_and_for_pinned_models():
