@@ -267,10 +267,11 @@ def may_recover(error: Exception) -> bool:
     """Whether a fetch that failed with `error` may succeed later: the hub unreachable (and
     the files not cached), or the hub's own failure (a 5xx, a 429); not a model that does not
     exist, a gated one, or a file that cannot be imported."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    if isinstance(error, LocalEntryNotFoundError):  # what the hub raises with no connection
-        return True
+    if isinstance(error, LocalEntryNotFoundError):  # what the hub raises with no connection...
+        return not constants.HF_HUB_OFFLINE  # ...or offline by choice: then it will not come
     if isinstance(error, HfHubHTTPError):
         status = getattr(error.response, "status_code", None)
         return status is None or status >= 500 or status == 429

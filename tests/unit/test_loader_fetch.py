@@ -77,6 +77,11 @@ def test_a_fetch_failing_for_now_is_told_from_one_that_cannot_succeed(tmp_path, 
     }
     recoverable = {name for name, e in errors.items() if loader_module.may_recover(e)}
     assert recoverable == {"offline", "hub 503", "hub 429"}
+    from huggingface_hub import constants
+
+    with monkeypatch.context() as offline:  # HF_HUB_OFFLINE=1: the files will not come
+        offline.setattr(constants, "HF_HUB_OFFLINE", True)
+        assert not loader_module.may_recover(errors["offline"])
 
     # The loader says so to the pool: its typed error, with the hub's message.
     monkeypatch.setattr(loader_module, "local_folder", lambda spec: None)
