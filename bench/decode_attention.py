@@ -42,12 +42,10 @@ def main() -> None:
     from mlx_lm.models.cache import BatchKVCache
 
     from app.models.default_model import default_model_dir
-    from app.runtime import cpu_activations, cpu_attention, cpu_logprobs
+    from app.runtime import cpu_attention, cpu_fast_path, cpu_logprobs
 
     model, _ = load(str(default_model_dir()))
-    cpu_attention.install(model)
-    cpu_activations.install(model)
-    cpu_logprobs.install()
+    cpu_fast_path.install(model)  # as the server does
     numpy_path = cpu_attention.decode_attention
 
     def mlx_path(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: object) -> mx.array:

@@ -42,13 +42,11 @@ def main() -> None:
     from mlx_lm.models.cache import BatchKVCache
 
     from app.models.default_model import default_model_dir
-    from app.runtime import cpu_activations, cpu_attention, cpu_logprobs
+    from app.runtime import cpu_fast_path
     from app.runtime.forward_together import forward_together, logits
 
     model, _ = load(str(default_model_dir()))
-    cpu_attention.install(model)
-    cpu_activations.install(model)
-    cpu_logprobs.install()
+    cpu_fast_path.install(model)  # as the server does
     vocab = model.args.vocab_size
 
     def filled(lengths: list[int], seed: int) -> list[BatchKVCache]:

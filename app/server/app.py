@@ -27,7 +27,7 @@ from ..models.fingerprint import kv_fingerprint
 from ..models.pool import ModelPool
 from ..models.specs import ModelSpec
 from ..models.specs import model_id as model_id_of
-from ..runtime import cpu_activations, cpu_attention, cpu_logprobs
+from ..runtime import cpu_activations, cpu_attention, cpu_fast_path, cpu_logprobs
 from ..serving.defaults import generation_config, model_folder
 from ..serving.metrics import Metrics
 from ..serving.schemas import ErrorResponse
@@ -192,10 +192,8 @@ def build_engine(
     fast = settings.cpu_fast_path
     cpu_attention.enabled = cpu_activations.enabled = cpu_logprobs.enabled = fast
     if fast and mx.default_device() == mx.cpu:
-        if not cpu_attention.install(model):
+        if not cpu_fast_path.install(model):
             log.warning("this model's attention cannot take the CPU fast path: MLX's is used")
-        cpu_activations.install(model)
-        cpu_logprobs.install()
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or context_length_of(model)
