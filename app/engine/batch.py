@@ -89,7 +89,7 @@ class Batch:
         running, more until something runs or nothing waits."""
         while self.queue:
             self._follow_prefilling()
-            prefilling = [r.left for r in self.active.values() if r.prefilling]
+            prefilling = [r.left for r in self._prefilling()]
             line = [Waiting(r, self._uncached(r), t) for r, t in self.queue]
             limit = join_limit(*self._step_and_token_costs())
             chosen = choose(line, prefilling, self.chunk(budget=True), self.now,
@@ -117,7 +117,7 @@ class Batch:
     def _follow_prefilling(self) -> None:
         """Queued requests sharing a prefix with a prompt being prefilled wait for it
         instead of their turn: once it is cached they start from it (`admission`)."""
-        cache, leaders = self.engine.cache, [r for r in self.active.values() if r.prefilling]
+        cache, leaders = self.engine.cache, self._prefilling()
         if cache is None or not leaders or not self._replan:
             return
         self._replan = False
@@ -146,7 +146,7 @@ class Batch:
             for request in new:
                 self._admit(request, alone=len(new) == 1)
             return
-        prefilling = [r for r in self.active.values() if r.prefilling]
+        prefilling = self._prefilling()
         plan = plan_admission(
             new,
             prefilling,
@@ -329,6 +329,10 @@ class Batch:
 
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
 
+    def _prefilling(self) -> list[Request]:
+        """The admitted requests whose prompts are still being prefilled."""
+        return [r for r in self.active.values() if r.prefilling]
+
     def _sided(self) -> bool:
         return any(uid >= SIDE_UIDS for uid in self.active)
 
@@ -341,7 +345,7 @@ class Batch:
         reaches the client before it joins a decode batch (`_place`); the join could copy a
         whole batch's KV (bench/README.md, "Running streams beside a long prefill").
         """
-        prefilling = [r for r in self.active.values() if r.prefilling]
+        prefilling = self._prefilling()
         if len(prefilling) != 1:
             return None
         (request,) = prefilling
@@ -381,7 +385,7 @@ class Batch:
         the step's prompts share."""
         e = self.engine
         decoding = any(not r.prefilling for r in self.active.values())
-        prefilling = [r for r in self.active.values() if r.prefilling]
+        prefilling = self._prefilling()
         prompts = 1 if budget else min(self.gen.prefill_batch_size, joining + len(prefilling))
         depth = max([depth, *(len(r.tokens) - r.left for r in prefilling)])
         return chunk_size(
@@ -394,7 +398,7 @@ class Batch:
         measured at: mlx-lm pads the prompts of a step to the deepest one, so every token
         costs about what the deepest prompt's do. A prompt's last token is left out: the
         batch runs it as a decode step, `_last_chunk` with the rest of the prompt."""
-        prefilling = [r for r in self.active.values() if r.prefilling and r.left > 1]
+        prefilling = [r for r in self._prefilling() if r.left > 1]
         taken = [(len(r.tokens) - r.left, min(r.left - 1, chunk)) for r in prefilling]
         taken = taken[: self.gen.prefill_batch_size]
         if not taken:
@@ -431,7 +435,7 @@ class Batch:
 
     def _beside_streams(self, request: Request) -> bool:
         """`request` is the one prompt being prefilled, and streams are decoding."""
-        prefilling = [r for r in self.active.values() if r.prefilling]
+        prefilling = self._prefilling()
         return len(prefilling) == 1 and prefilling[0] is request and len(self.active) > 1
 
     def _deliver(self, request: Request, token: int, logprobs: mx.array, finish, state) -> bool:
