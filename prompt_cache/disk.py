@@ -41,21 +41,22 @@ import json
 import logging
 import os
 import queue
-import shutil
 import sqlite3
 import threading
 import time
 import uuid
-import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
-from .radix import TOKEN, Node, add_child, detach, iter_nodes, split, walk
+from .disk_files import BadFile, Segment, join, read_segment, write_segment
+from .disk_index import SUFFIX, Row, commit_recency, forget, insert, open_index, read_rows
+from .disk_index import remove_stale as remove_stale
+from .disk_tree import attach, first_gap, held, prune
+from .radix import TOKEN, Node, detach, iter_nodes, walk
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,16 @@ FORMAT = 2  # bump when what a file holds changes meaning (2: checksums over the
 HEADER_SLACK = 1024  # bytes reserved for a file's header, plus ENTRY_SLACK per array
 ENTRY_SLACK = 128
 MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still has them)
-SUFFIX = ".safetensors"
-STALE_AFTER = 7 * 24 * 3600  # seconds unused before another fingerprint's folder is removed
 
-Segment = tuple[tuple[mx.array, ...], ...]
 Runs = list[tuple[int, int, Segment]]  # (start, end, KV of [start, end)) along a path
 
 
 class DiskTierBusy(RuntimeError):
     """Another process uses this cache folder for the same model."""
+
+
+class DiskTierUnavailable(RuntimeError):
+    """The cache folder cannot be written: read-only, full, not a folder, no permission."""
 
 
 @dataclass(eq=False)
@@ -113,9 +115,12 @@ class DiskTier:
             raise ValueError("the disk budget must be >= 0")
         self.max_bytes = max_bytes
         self.folder = Path(root) / fingerprint
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.folder, 0o700)
-        self._lockfile = open(self.folder / "lock", "w")  # noqa: SIM115 (held until close)
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.folder, 0o700)
+            self._lockfile = open(self.folder / "lock", "w")  # noqa: SIM115 (held until close)
+        except OSError as e:
+            raise DiskTierUnavailable(f"cannot write to {self.folder}: {e}") from e
         try:
             fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -131,9 +136,13 @@ class DiskTier:
         self._nbytes = 0  # files' sizes plus the reservation of the write under way
         self._layout: str | None = None  # the cache layout all files share, as JSON
         self.stats = DiskStats()
-        self._db = self._open_index()
-        self._db_open = True
-        self._restore()
+        try:
+            self._db = open_index(self.folder)
+            self._db_open = True
+            self._restore()
+        except (OSError, sqlite3.Error) as e:
+            self._lockfile.close()
+            raise DiskTierUnavailable(f"cannot use {self.folder}: {e}") from e
         self._jobs: queue.Queue[tuple | None] = queue.Queue()
         self._closed = self._abandon = False
         self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
@@ -141,57 +150,31 @@ class DiskTier:
 
     # ------------------------------------------------------------- restore
 
-    def _open_index(self) -> sqlite3.Connection:
-        path = self.folder / "index.sqlite"
-        for attempt in (1, 2):
-            try:
-                db = sqlite3.connect(path, check_same_thread=False)
-                db.execute("PRAGMA secure_delete = ON")  # a cleared prompt leaves no trace
-                db.execute(
-                    "CREATE TABLE IF NOT EXISTS files (name TEXT PRIMARY KEY, namespace TEXT, "
-                    "start INTEGER, end_ INTEGER, tokens BLOB, nbytes INTEGER, digest TEXT, "
-                    "layout TEXT, used REAL)"
-                )
-                db.commit()
-                os.chmod(path, 0o600)
-                return db
-            except sqlite3.DatabaseError as e:
-                if attempt == 2:
-                    raise
-                # A damaged index costs what it indexed, never the start.
-                log.warning("cache index %s is unreadable (%s): starting empty", path, e)
-                for p in self.folder.iterdir():
-                    if p.name.startswith("index.sqlite") or p.name.endswith(SUFFIX):
-                        p.unlink(missing_ok=True)
-        raise AssertionError("unreachable")
-
     def _restore(self) -> None:
-        rows = self._db.execute(
-            "SELECT name, namespace, start, end_, tokens, nbytes, digest, layout FROM files "
-            "ORDER BY used"
-        ).fetchall()
-        recency = {row[0]: i for i, row in enumerate(rows)}
+        rows, bad = read_rows(self._db, self.folder)
+        recency = {row.name: i for i, row in enumerate(rows)}
         known = set()
+        orphans = 0
         # Parents before children: a file's run starts where its parent's path ends.
-        for name, ns, start, end, tokens, nbytes, digest, layout in sorted(
-            rows, key=lambda r: (r[2] if isinstance(r[2], int) else -1, r[3] or 0)
-        ):
-            path = self.folder / (name + SUFFIX)
-            ok = (
-                isinstance(tokens, bytes) and isinstance(start, int) and isinstance(end, int)
-                and 0 <= start < end and len(tokens) == end * TOKEN
-                and path.is_file() and path.stat().st_size == nbytes
-                and self._layout in (None, layout)
-            )  # fmt: skip
-            f = DiskFile(name, str(ns), start, end, nbytes, str(digest)) if ok else None
-            if f is not None and self._attach(f, tokens) is not None:
-                self._layout = layout
-                known.add(name)
-                self._lru[f] = None
-                self._nbytes += nbytes
-            else:
-                self._forget(name)
-                self.stats.dropped += 1
+        for row in sorted(rows, key=lambda r: (r.start, r.end)):
+            f = DiskFile(row.name, row.namespace, row.start, row.end, row.nbytes, row.digest)
+            if self._layout not in (None, row.layout):
+                bad.append((row.name, "it was written for another cache layout"))
+                continue
+            root = self._roots.setdefault(f.namespace, Node(edge=b""))
+            node = attach(root, f, row.tokens, gap_ok=True)
+            if node is None:
+                bad.append((row.name, "it overlaps another file"))
+                continue
+            orphans += held(walk(root, row.tokens)) < f.start
+            self._layout = row.layout
+            known.add(row.name)
+            self._lru[f] = None
+            self._nbytes += f.nbytes
+        for name, why in bad:
+            forget(self._db, self.folder, name)
+            log.debug("dropping cache file %s: %s", name, why)
+        self.stats.dropped += len(bad)
         self._lru = OrderedDict((f, None) for f in sorted(self._lru, key=lambda f: recency[f.name]))
         for path in self.folder.iterdir():  # temporary files, files of rows gone
             if path.name.endswith(SUFFIX) and path.name.removesuffix(SUFFIX) not in known:
@@ -199,6 +182,14 @@ class DiskTier:
         self._make_room(0, set())  # a smaller budget than the last process had
         self._db.commit()
         self._count()
+        if bad or orphans:
+            reasons = Counter(why.split(" (")[0] for _, why in bad)
+            log.warning(
+                "disk cache %s: %d files restored, %d dropped%s%s", self.folder, len(known),
+                len(bad), f" ({', '.join(f'{r}: {n}' for r, n in reasons.items())})" if bad else "",
+                f"; {orphans} kept behind a lost file, usable again once a request through it "
+                "is stored" if orphans else "",
+            )  # fmt: skip
 
     # --------------------------------------------------------------- reads
 
@@ -214,7 +205,7 @@ class DiskTier:
         """How many tokens of `key` (packed) the disk holds the KV of."""
         with self._lock:
             root = self._roots.get(namespace_of(model))
-            return walk(root, key).length if root is not None else 0
+            return held(walk(root, key)) if root is not None else 0
 
     def span_bytes(self, model: Hashable, key: bytes, start: int, end: int) -> int:
         """About the bytes the KV of tokens [start, end) of `key` takes once loaded."""
@@ -225,7 +216,8 @@ class DiskTier:
             for node in nodes:
                 f = node.segment
                 span = min(end, node.depth) - max(start, node.start)
-                total += max(0, span) * f.nbytes // (f.end - f.start)
+                if f is not None:
+                    total += max(0, span) * f.nbytes // (f.end - f.start)
             return total
 
     def load(self, model: Hashable, key: bytes, start: int, end: int) -> Segment | None:
@@ -235,7 +227,7 @@ class DiskTier:
         with self._lock:
             root = self._roots.get(namespace_of(model))
             w = walk(root, key[: end * TOKEN]) if root is not None else None
-            if w is None or w.length < end:
+            if w is None or held(w) < end:
                 return None
             files: list[list] = []
             for node in w.nodes:
@@ -260,7 +252,7 @@ class DiskTier:
                 tuple(tuple(cut(a[..., lo - f.start : hi - f.start, :]) for a in layer)
                       for layer in arrays)
             )  # fmt: skip
-        segment = _join(pieces)
+        segment = join(pieces)
         mx.eval(segment)
         with self._lock:
             self.stats.tokens_loaded += end - start
@@ -269,32 +261,16 @@ class DiskTier:
         return segment
 
     def _read(self, f: DiskFile) -> list[list[mx.array]] | None:
-        path = self.folder / (f.name + SUFFIX)
         try:
-            if path.stat().st_size != f.nbytes:
-                return self._bad(f, "is not the size it was written at")
-            # MLX reads the file itself, once: through a Python file object it would take
-            # the GIL under its allocator's lock, and another thread's mx.clear_cache()
-            # (the engine releasing memory) then deadlocks with it.
-            arrays = mx.load(str(path))
-            mx.eval(list(arrays.values()))
-        except Exception as e:  # a file that cannot be read or parsed is as bad as corrupt
-            return self._bad(f, f"cannot be read ({e})")
-        if _checksum(arrays) != f.digest:
-            return self._bad(f, "does not match its checksum")
-        layers: list[list[mx.array]] = []
-        for name in sorted(arrays, key=lambda n: tuple(map(int, n.split(".")))):
-            li, _ = map(int, name.split("."))
-            while len(layers) <= li:
-                layers.append([])
-            layers[li].append(arrays[name])
-        return layers
+            return read_segment(self.folder / (f.name + SUFFIX), f.nbytes, f.digest)
+        except BadFile as e:
+            return self._bad(f, str(e))
 
     def _bad(self, f: DiskFile, why: str) -> None:
         log.warning("dropping cache file %s: it %s", f.name, why)
         with self._lock:
             if f in self._lru and self._db_open:
-                self._drop(f)
+                self._lose(f)
                 self.stats.dropped += 1
                 self._db.commit()
         return None
@@ -359,8 +335,8 @@ class DiskTier:
                 job[1].set()
                 continue
             try:
-                if not self._abandon:
-                    self._write(*job)
+                while not self._abandon and self._write(*job):
+                    pass
             except Exception:  # never fatal: the RAM tier still holds it
                 log.exception("writing a cache segment to disk failed")
                 with self._lock:
@@ -369,50 +345,50 @@ class DiskTier:
                 with self._lock:
                     self.stats.pending -= 1
 
-    def _write(self, ns: str, epoch: tuple[int, int], key: bytes, path: Runs, layout: str) -> None:
+    def _write(self, ns: str, epoch: tuple[int, int], key: bytes, path: Runs, layout: str) -> bool:
+        """Write what the disk lacks of `key`'s path, up to its first gap; whether more
+        of it (past that gap) remains to be written."""
         n = len(key) // TOKEN
         with self._lock:
             if self._epoch(ns) != epoch:
-                return  # cleared since it was queued
+                return False  # cleared since it was queued
             root = self._roots.get(ns)
-            have = walk(root, key).length if root is not None else 0
+            w = walk(root, key) if root is not None else None
+            have = held(w) if w is not None else 0
             if have >= n:  # already on disk: only recency changes
-                self._used([node.segment for node in walk(root, key).nodes])
-                return
+                self._used([node.segment for node in w.nodes])
+                return False
             if self._layout is not None and layout != self._layout:
                 self.stats.skipped += 1
-                return
-            pieces = [(max(s, have), e, seg, s) for s, e, seg in path if e > have]
-            arrays_nbytes = sum(a.nbytes * (e - lo) // (e - s) for lo, e, seg, s in pieces
+                return False
+            # A gap the path runs through is filled first, then what lies past the files
+            # kept beyond it.
+            gap = first_gap(w) if w is not None else None
+            stop = gap.depth if gap is not None and w.length >= gap.depth else n
+            pieces = [(max(s, have), min(e, stop), seg, s, e) for s, e, seg in path
+                      if e > have and s < stop]  # fmt: skip
+            arrays_nbytes = sum(a.nbytes * (hi - lo) // (e - s) for lo, hi, seg, s, e in pieces
                                 for layer in seg for a in layer)  # fmt: skip
             count = sum(len(layer) for layer in path[0][2]) if path else 0
             reserve = arrays_nbytes + HEADER_SLACK + ENTRY_SLACK * count
-            keep = {node.segment for node in walk(root, key).nodes} if root is not None else set()
+            keep = {node.segment for node in w.nodes} if w is not None else set()
             if not self._make_room(reserve, keep):
                 self.stats.skipped += 1
-                return
+                return False
             self._nbytes += reserve
         name = uuid.uuid4().hex
-        final, tmp = self.folder / (name + SUFFIX), self.folder / f"{name}.tmp{SUFFIX}"
         t0 = time.perf_counter()
-        f = None
+        f, kept = None, False
         try:
-            segment = _join([tuple(tuple(a[..., lo - s :, :] for a in layer) for layer in seg)
-                             for lo, _, seg, s in pieces])  # fmt: skip
-            arrays = {f"{li}.{ai}": a for li, layer in enumerate(segment)
-                      for ai, a in enumerate(layer)}  # fmt: skip
-            meta = {"format": str(FORMAT), "start": str(have), "end": str(n)}
-            mx.save_safetensors(str(tmp), arrays, metadata=meta)
-            os.chmod(tmp, 0o600)
-            size = tmp.stat().st_size
-            if size > reserve:
-                raise OSError(f"a {size}-byte file over its {reserve}-byte reservation")
-            os.replace(tmp, final)
-            f = DiskFile(name, ns, have, n, size, _checksum(arrays))
+            segment = join([tuple(tuple(a[..., lo - s : hi - s, :] for a in layer)
+                                  for layer in seg) for lo, hi, seg, s, _ in pieces])  # fmt: skip
+            meta = {"format": str(FORMAT), "start": str(have), "end": str(stop)}
+            size, digest = write_segment(self.folder, name, segment, meta, reserve)
+            f = DiskFile(name, ns, have, stop, size, digest)
         except Exception as e:  # a full disk, a folder gone: the RAM tier still has it
             log.warning("cannot write a cache segment to disk: %s", e)
         finally:
-            tmp.unlink(missing_ok=True)
+            final = self.folder / (name + SUFFIX)
             with self._lock:
                 self._nbytes -= reserve
                 if f is None:
@@ -421,27 +397,28 @@ class DiskTier:
                     final.unlink(missing_ok=True)
                     self.stats.skipped += 1
                 else:
+                    kept = True
                     self.stats.writes += 1
                     self.stats.bytes_written += f.nbytes
                     self.stats.write_seconds += time.perf_counter() - t0
                 self._count()
+        return kept and stop < n  # past the gap just filled, files were kept
 
     def _keep(self, f: DiskFile, key: bytes, epoch: tuple[int, int], layout: str) -> bool:
         """Index a written file, under the lock; False if it no longer belongs."""
         if not self._db_open or self._epoch(f.namespace) != epoch:
             return False  # cleared meanwhile
-        if self._attach(f, key) is None:  # its path's beginning was dropped meanwhile
+        root = self._roots.setdefault(f.namespace, Node(edge=b""))
+        if attach(root, f, key) is None:  # its path's beginning was dropped meanwhile
             return False
         self._lru[f] = None
         self._nbytes += f.nbytes
+        tokens = key[: f.end * TOKEN]
         try:
-            self._db.execute(
-                "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (f.name, f.namespace, f.start, f.end, key, f.nbytes, f.digest, layout,
-                 time.time()),
-            )  # fmt: skip
+            insert(self._db, Row(f.name, f.namespace, f.start, f.end, tokens, f.nbytes,
+                                 f.digest, layout))  # fmt: skip
             self._layout = layout
-            self._used([node.segment for node in walk(self._roots[f.namespace], key).nodes])
+            self._used([node.segment for node in walk(root, tokens).nodes])
             self._commit_recency()
         except sqlite3.Error as e:
             log.warning("cannot index a cache segment: %s", e)
@@ -450,24 +427,6 @@ class DiskTier:
         return True
 
     # ------------------------------------------------------ tree and budget
-
-    def _attach(self, f: DiskFile, key: bytes) -> Node | None:
-        """Hang `f`'s tokens [start, end) of `key` in its namespace's tree; None if the
-        tree does not hold the path up to `start` (or already holds more)."""
-        root = self._roots.setdefault(f.namespace, Node(edge=b""))
-        w = walk(root, key[: f.end * TOKEN])
-        if w.length != f.start:
-            return None
-        parent = w.nodes[-1] if w.nodes else root
-        if w.partial:  # the head and the tail of the edge lie in the same file
-            end = parent
-            parent = split(end, w.length - end.start)
-            parent.segment = end.segment
-            end.segment.nodes.append(parent)
-        node = add_child(parent, key[f.start * TOKEN : f.end * TOKEN])
-        node.segment = f
-        f.nodes.append(node)
-        return node
 
     def _used(self, files: list[DiskFile]) -> None:
         """Files of a path just used: the path's beginning ends up the most recent, so
@@ -479,11 +438,7 @@ class DiskTier:
                 self._touched[f.name] = now
 
     def _commit_recency(self) -> None:
-        self._db.executemany(
-            "UPDATE files SET used = ? WHERE name = ?", [(t, n) for n, t in self._touched.items()]
-        )
-        self._touched.clear()
-        self._db.commit()
+        commit_recency(self._db, self._touched)
 
     def _make_room(self, need: int, keep: set[DiskFile]) -> bool:
         if need > self.max_bytes:
@@ -502,7 +457,9 @@ class DiskTier:
         for node in list(f.nodes):
             if node.parent is None:
                 continue  # already cut off with an ancestor in f
+            parent = node.parent
             detach(node)
+            prune(parent)
             for below in iter_nodes(node):
                 gone[below.segment] = None
         removed = 0
@@ -515,11 +472,21 @@ class DiskTier:
         self._count()
         return removed
 
+    def _lose(self, f: DiskFile) -> None:
+        """Remove a file found bad, leaving its tokens as gaps over the files below it:
+        their KV is still right, and is served again once a write fills the gaps."""
+        del self._lru[f]
+        self._nbytes -= f.nbytes
+        self._forget(f.name)
+        for node in f.nodes:
+            node.segment = None
+        for node in f.nodes:
+            prune(node)
+        self._count()
+
     def _forget(self, name: str) -> None:
-        (self.folder / (name + SUFFIX)).unlink(missing_ok=True)
         self._touched.pop(name, None)
-        with contextlib.suppress(sqlite3.Error):  # a row left behind is dropped on restore
-            self._db.execute("DELETE FROM files WHERE name = ?", (name,))
+        forget(self._db, self.folder, name)
 
     def _count(self) -> None:
         self.stats.files, self.stats.bytes = len(self._lru), self._nbytes
@@ -544,50 +511,3 @@ class DiskTier:
                     del self._roots[name]
             with contextlib.suppress(sqlite3.Error):
                 self._db.commit()
-
-
-def remove_stale(root: Path, keep: Path, now: float | None = None) -> list[Path]:
-    """Remove other fingerprints' folders under `root` (another model, an older version of
-    this one) that no process holds and that were not written for `STALE_AFTER` seconds;
-    the folders removed. Only folders laid out as a disk tier's are touched."""
-    now = time.time() if now is None else now
-    removed = []
-    for folder in sorted(root.iterdir()):
-        index, lockfile = folder / "index.sqlite", folder / "lock"
-        if folder == keep or not (index.is_file() and lockfile.is_file()):
-            continue
-        try:
-            if now - index.stat().st_mtime < STALE_AFTER:
-                continue
-            with open(lockfile, "a") as f:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a server using it holds this
-                shutil.rmtree(folder)
-        except OSError:
-            continue
-        log.info("removed %s: another fingerprint's disk cache, unused for a week", folder)
-        removed.append(folder)
-    return removed
-
-
-def _join(pieces: list[Segment]) -> Segment:
-    """Segments of consecutive token ranges as one."""
-    if len(pieces) == 1:
-        return pieces[0]
-    return tuple(
-        tuple(mx.concatenate(list(parts), axis=2) for parts in zip(*layers, strict=True))
-        for layers in zip(*pieces, strict=True)
-    )
-
-
-def _checksum(arrays: dict[str, mx.array]) -> str:
-    """CRC-32 of the arrays' bytes, in name order: what a load would serve.
-
-    Against disks and crashes, not attackers (the folder is the owner's alone): CRC-32
-    runs at memory speed, where a cryptographic hash would halve the load bandwidth;
-    over the arrays, not the file, so the file is read once (by MLX).
-    """
-    crc = 0
-    for name in sorted(arrays):
-        # As bytes: numpy has no bfloat16, and the buffer is all a checksum needs.
-        crc = zlib.crc32(np.asarray(arrays[name].view(mx.uint8)), crc)
-    return f"crc32:{crc:08x}"

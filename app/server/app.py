@@ -18,7 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from prompt_cache import PromptCache, layers
-from prompt_cache.disk import DiskTier, DiskTierBusy
+from prompt_cache.disk import DiskTier, DiskTierBusy, DiskTierUnavailable
 
 from ..engine import Engine
 from ..engine.sharded import FollowerSteps, LeaderSteps, rank_bytes
@@ -211,6 +211,9 @@ def build_engine(
                 disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
             except DiskTierBusy as e:  # two servers writing one index would corrupt it
                 log.warning("disk tier off: %s; give each server its own --cache-dir", e)
+            except DiskTierUnavailable as e:
+                log.warning("disk tier off: %s; serving from RAM alone (give --cache-dir a "
+                            "writable folder to keep the cache across restarts)", e)  # fmt: skip
         measure = layers.nbytes
         if group is not None:
             measure = rank_bytes(model, group, settings.pipeline)

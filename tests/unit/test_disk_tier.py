@@ -279,3 +279,115 @@ def test_other_fingerprints_unused_for_a_week_are_removed_unless_held(tmp_path):
         held.close()
     assert tier.removed_stale == [folders["old"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["held", "mine", "notes", "recent"]
+
+
+def test_a_write_starting_inside_a_ram_segment_reaches_the_disk(tmp_path):
+    """The disk holds more of a path than RAM's segment begins with: the write is a slice
+    of that segment, a strided view, which must be written and checksummed whole."""
+    cache = tiered(tmp_path, ram_bytes=320 * BYTES_PER_TOKEN)
+    a, b = SYSTEM + [1, 2], list(range(1000, 1300))
+    cache.insert("m", a, kv_cache(a))
+    cache.insert("m", b, kv_cache(b))  # RAM drops a: the disk keeps it
+    cache.disk.flush()
+    c = a[:200] + [7] * 50  # RAM stores c as one segment [0, 250); the disk has [0, 200)
+    cache.insert("m", c, kv_cache(c))
+    cache.disk.flush()
+    assert cache.disk.stats.skipped == 0 and cache.disk.stats.writes == 3
+    cache.disk.close()
+    again = tiered(tmp_path)
+    found = again.fetch("m", c + [0])
+    assert found.n_cached == len(c) and same_state(found.cache, kv_cache(c))
+
+
+def _lose_file_of(cache, tokens):
+    """Delete the file holding the first token of `tokens`' path, after a clean close."""
+    cache.disk.close()
+    rows = cache.disk.folder / "index.sqlite"
+    import sqlite3
+
+    db = sqlite3.connect(rows)
+    (name,) = db.execute("SELECT name FROM files WHERE start = 0").fetchone()
+    db.close()
+    (cache.disk.folder / f"{name}.safetensors").unlink()
+
+
+def test_a_lost_parent_file_keeps_the_files_below_it_until_a_request_refills_it(tmp_path, caplog):
+    turn1 = SYSTEM + [1, 2]
+    turn2 = turn1 + list(range(3, 23))
+    other = SYSTEM + [9] * 20  # branches inside turn1's file
+    cache = tiered(tmp_path)
+    for seq in (turn1, turn2, other):
+        cache.insert("m", seq, kv_cache(seq))
+    cache.disk.flush()
+    assert cache.disk.stats.files == 3
+    _lose_file_of(cache, turn1)
+    with caplog.at_level("WARNING", logger="prompt_cache.disk"):
+        again = tiered(tmp_path)
+    (line,) = [r.getMessage() for r in caplog.records if "files restored" in r.getMessage()]
+    assert "2 files restored, 1 dropped (its file is missing: 1)" in line
+    assert "2 kept behind a lost file" in line
+    assert again.disk.stats.dropped == 1 and again.disk.stats.files == 2
+    for seq in (turn2, other):  # nothing past the gap is served
+        assert again.disk.match("m", PackedTokens.of(seq)) == 0
+        assert again.fetch("m", seq).kind == "miss"
+    again.insert("m", turn1, kv_cache(turn1))  # the next request through it is stored
+    again.disk.flush()
+    assert again.disk.stats.skipped == 0
+    for seq in (turn2, other):
+        assert again.disk.match("m", PackedTokens.of(seq)) == len(seq)
+    again.disk.close()
+    third = tiered(tmp_path)
+    assert third.disk.stats.dropped == 0
+    for seq in (turn2, other):
+        found = third.fetch("m", seq + [0])
+        assert found.n_cached == len(seq) and same_state(found.cache, kv_cache(seq))
+
+
+def test_a_file_found_corrupt_on_load_keeps_the_files_below_it(tmp_path):
+    turn1 = SYSTEM + [1, 2]
+    turn2 = turn1 + list(range(3, 23))
+    cache = tiered(tmp_path)
+    for seq in (turn1, turn2):
+        cache.insert("m", seq, kv_cache(seq))
+    cache.disk.close()
+    again = tiered(tmp_path)
+    first = min(again.disk._lru, key=lambda f: f.start)
+    path = again.disk.folder / f"{first.name}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert again.fetch("m", turn2 + [0]).kind == "miss"  # the corrupt file is never served
+    assert again.disk.stats.dropped == 1 and again.disk.stats.files == 1
+    again.insert("m", turn1, kv_cache(turn1))
+    again.disk.flush()
+    found = again.fetch("m", turn2 + [0])
+    assert found.n_cached == len(turn2) and same_state(found.cache, kv_cache(turn2))
+
+
+def test_an_unwritable_folder_is_one_clear_error(tmp_path):
+    from prompt_cache.disk import DiskTierUnavailable
+
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(DiskTierUnavailable, match="cannot write to"):
+        DiskTier(tmp_path / "file", "fp", 1 << 20)
+
+
+def test_a_read_only_folder_is_one_clear_error(tmp_path):
+    import subprocess
+
+    from prompt_cache.disk import DiskTierUnavailable
+
+    cache = tiered(tmp_path / "src")
+    cache.insert("m", SYSTEM, kv_cache(SYSTEM))
+    cache.disk.close()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    bind = subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path / "src"), str(ro)],
+                          capture_output=True)  # fmt: skip
+    if bind.returncode != 0:
+        pytest.skip(f"cannot make a read-only mount here: {bind.stderr.decode().strip()}")
+    try:
+        with pytest.raises(DiskTierUnavailable, match="Read-only file system"):
+            DiskTier(ro, "fp", 1 << 30)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
