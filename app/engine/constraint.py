@@ -7,18 +7,56 @@ only an end token is allowed, so the request stops there.
 
 The token-level tokenizer llguidance needs costs about a second to build; it is
 built once per engine, on first use (`GrammarTokenizer`).
+
+llguidance compiles a grammar by recursion on the native stack, where an overflow
+kills the process. Compilation runs `on_deep_stack`, on a thread whose stack is
+far larger than what the schema bounds (`serving.schema_checks`) let a grammar use.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import llguidance
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+T = TypeVar("T")
+# A thread's stack is reserved address space, committed only as it is used, so a large
+# one costs nothing until a deep grammar needs it. bench/schema_bounds.py measures what
+# the deepest schema `serving.schema_checks` admits takes: a small fraction of this.
+DEEP_STACK = 64 * 1024**2
+_stack_size = threading.Lock()  # threading.stack_size is process-wide: set, start, reset
+
+
+def on_deep_stack(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread of its own with a `DEEP_STACK` stack; blocks until done
+    and returns or raises what `fn` did. For native code that recurses as deep as its
+    input (a grammar compiler): a thread pool's threads have the default stack."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller, raised there
+            outcome.append((False, e))
+
+    with _stack_size:
+        previous = threading.stack_size(DEEP_STACK)
+        try:
+            thread = threading.Thread(target=run, name="deep-stack", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 class GrammarTokenizer:
@@ -88,4 +126,4 @@ class GrammarProcessor:
 
 def build_constraint(grammars: GrammarTokenizer, grammar: str) -> GrammarProcessor:
     """A request's processor for `grammar`; run it off the event loop and the engine thread."""
-    return GrammarProcessor(grammars.get(), grammar)
+    return on_deep_stack(GrammarProcessor, grammars.get(), grammar)

@@ -12,7 +12,9 @@ from typing import Any
 
 import llguidance
 
+from ..engine.constraint import on_deep_stack
 from .errors import APIError
+from .schema_checks import check_schema
 
 COMPACT = {"whitespace_flexible": False}
 # What chat templates' `tojson` writes (Python's json.dumps): a space after , and :.
@@ -21,6 +23,7 @@ TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 def json_grammar(schema: dict[str, Any], param: str, options: dict = COMPACT) -> str:
     """A grammar for JSON that validates against `schema`, or a 400 naming what is wrong."""
+    check_schema(schema, param)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, TypeError) as e:
@@ -29,7 +32,8 @@ def json_grammar(schema: dict[str, Any], param: str, options: dict = COMPACT) ->
 
 
 def checked(grammar: str, param: str) -> str:
-    error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    validate = llguidance.LLMatcher.validate_grammar_with_warnings
+    error, messages = on_deep_stack(validate, grammar, None)
     if error or messages:
         raise APIError(
             400,
@@ -67,11 +71,22 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
 
 
 def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON for one call of one of `tools`: {"name": ..., "arguments": {...}}."""
-    calls = []
-    for tool in tools:
+    """JSON for one call of one of `tools`: {"name": ..., "arguments": {...}}.
+
+    A tool's parameters whose `$ref`s point into themselves ("#/$defs/Addr", as
+    pydantic writes nested models, or "#" for a recursive one) are moved under the
+    call schema's `$defs`, their pointers rewritten to lead there, so they resolve
+    as they did at the parameters' root.
+    """
+    calls, defs = [], {}
+    for i, tool in enumerate(tools):
         function = tool["function"]
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        check_schema(parameters, f"tools[{i}].function.parameters")
+        if _has_local_refs(parameters):
+            home = f"#/$defs/tool{i}"
+            defs[f"tool{i}"] = _rerooted(parameters, home)
+            parameters = {"$ref": home}
         calls.append(
             {
                 "type": "object",
@@ -80,7 +95,35 @@ def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
                 "additionalProperties": False,
             }
         )
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _has_local_refs(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if isinstance(v.get("$ref"), str) and v["$ref"].startswith("#"):
+                return True
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def _rerooted(value: Any, home: str) -> Any:
+    """A copy of `value` whose local `$ref`s ("#...") point into `home` instead of the
+    root. `value` has passed `check_schema`, so its nesting is bounded."""
+    if isinstance(value, list):
+        return [_rerooted(v, home) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _rerooted(v, home) for k, v in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = home + ref[1:]
+    return out
 
 
 def forced_call_grammar(tools: list[dict[str, Any]], options: dict = COMPACT) -> str:

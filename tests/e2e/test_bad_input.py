@@ -116,6 +116,25 @@ def test_bad_completion_requests(server, name, body, status, param):
     assert_error(post(server, body, "/v1/completions"), status, param)
 
 
+@pytest.mark.parametrize("depth", [300, 950])
+@pytest.mark.parametrize(
+    "path,field",
+    [("/v1/chat/completions", "response_format"), ("/v1/responses", "text"),
+     ("/v1/completions", "prompt"), ("/v1/embeddings", "input")],
+)  # fmt: skip
+def test_a_deeply_nested_body_is_a_400(server, path, field, depth):
+    """Nested past Python's recursion limit in what a check walks: once a 500 whose
+    traceback alone was larger than a pipe's buffer."""
+    body = {"model": "tiny", "messages": GOOD["messages"], "input": "x", "prompt": "x"}
+    nest: object = {"type": "text"}
+    for _ in range(depth):
+        nest = {"a": nest}
+    content = json.dumps({**body, field: {"format": nest} if field == "text" else nest})
+    r = httpx.post(server.url + path, content=content,
+                   headers={"content-type": "application/json"}, timeout=60)  # fmt: skip
+    assert_error(r, 400)
+
+
 def test_unknown_route_and_method(server):
     assert_error(httpx.get(server.url + "/v1/nothing"), 404)
     assert_error(httpx.get(server.url + "/v1/chat/completions"), 405)
