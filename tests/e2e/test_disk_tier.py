@@ -94,8 +94,28 @@ def test_every_follow_up_hits_with_ram_far_smaller_than_the_conversations(
     # Read back off the engine's thread: the running generations never wait on the disk.
     assert threads and "mlx-engine" not in threads
     assert report["disk"]["bytes"] > report["bytes"]
+    # Every write reached the disk: none was a slice of a RAM segment it could not write.
+    assert report["disk"]["skipped"] == 0 and report["disk"]["writes"] > 0
     for messages in chats:  # the same replies as a server with no cache at all
         assert chat(uncached_server.url, messages[:-1])[0] == messages[-1]["content"]
+
+
+def test_a_cache_dir_that_cannot_be_written_is_one_warning_and_serving_goes_on(
+    tiny_model_dir, tmp_path
+):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    proc, url = start_server(tiny_model_dir, "--cache-dir", str(not_a_folder))
+    try:
+        assert chat(url, [SYSTEM, {"role": "user", "content": "Hi."}])[0] is not None
+        assert httpx.get(url + "/v1/cache").json().get("disk") is None
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    log = proc.stdout.read()
+    assert "Traceback" not in log
+    (line,) = [line for line in log.splitlines() if "disk tier off" in line]
+    assert "cannot write to" in line and "serving from RAM alone" in line
 
 
 def test_warm_prompts_are_cached_before_the_first_request(tiny_model_dir, tmp_path):
