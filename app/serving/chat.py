@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
 from ..engine.constraint import GrammarProcessor, build_constraint
-from . import attribution
+from . import attribution, prompted_tools
 from .errors import APIError
 from .generation import (
     RequestContext,
@@ -49,7 +49,6 @@ from .structured import response_format_grammar
 from .tools import (
     ToolCallText,
     ToolPlan,
-    calls_as_text,
     forced_call,
     plan_tools,
     template_tool_calls,
@@ -134,7 +133,8 @@ class ChatCompletionsServing(Surface):
             )
             if grammar is not None:
                 params.constraint = await off_loop(_constraint, engine, grammar)
-                params.stop = []  # a stop string would cut what the grammar makes whole
+                if grammar is not tools.grammar or tools.mode != "auto":
+                    params.stop = []  # a stop string would cut what the grammar makes whole
         except BaseException:
             slot.release()
             raise
@@ -174,7 +174,8 @@ def _thinking(
     """A splitter for a reasoning model's thinking; None where there can be none (a model
     without thinking tags, or a reply a grammar shapes)."""
     tags = think_tags(engine.tokenizer)
-    if tags is None or grammar is not None or tools.mode == "forced":
+    shaped = grammar is not None and not (tools.mode == "auto" and grammar is tools.grammar)
+    if tags is None or shaped or tools.mode == "forced":
         return None
     # The generation prompt is the end of the prompt: a block it opens ends it.
     return ReasoningSplit(tags, opens_thinking(engine.tokenizer.decode(tokens[-32:]), tags))
@@ -205,8 +206,11 @@ class Reply:
         self.mode = tools.mode
         # Markup is cut out whenever the template was shown tools; with tool_choice "none"
         # the calls it holds are dropped.
-        shown = tools.mode == "auto" or (tools.mode == "none" and bool(tools.tools))
-        self.text = ToolCallText(engine, req.tools or []) if shown else None
+        shown = tools.mode == "auto" or (
+            tools.mode == "none" and bool(tools.tools or tools.prompted)
+        )
+        prompted = tools.prompted is not None
+        self.text = ToolCallText(engine, req.tools or [], prompted) if shown else None
         self.keep = tools.mode == "auto"
         self.forced = ""  # a forced call's JSON so far: {"name":"...","arguments":{...}}
         self.call: ToolCall | None = None  # the forced call, once its name is known
@@ -313,7 +317,7 @@ def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _message(m: ChatMessage, index: int, templated: bool = True) -> dict[str, Any]:
+def _message(m: ChatMessage, index: int) -> dict[str, Any]:
     if isinstance(m.content, list):
         texts = []
         for j, part in enumerate(m.content):
@@ -336,10 +340,7 @@ def _message(m: ChatMessage, index: int, templated: bool = True) -> dict[str, An
     if reasoning is not None and m.role == "assistant":  # for templates that write it back
         out["reasoning_content"] = reasoning
     if m.tool_calls is not None:
-        if templated:
-            out["tool_calls"] = template_tool_calls(m.tool_calls)
-        else:
-            out["content"] = content + calls_as_text(m.tool_calls)
+        out["tool_calls"] = template_tool_calls(m.tool_calls)
     return out
 
 
@@ -360,9 +361,11 @@ def render(
 ) -> list[int]:
     """The prompt's tokens: the messages (and tools) through the model's chat template,
     with the model's configured template variables (`enable_thinking`, say)."""
-    messages = [_message(m, i, tools.templated) for i, m in enumerate(req.messages)]
+    messages = [_message(m, i) for i, m in enumerate(req.messages)]
     if strip_attribution:
         messages = attribution.strip_attribution(messages)
+    if not tools.templated:
+        messages = prompted_tools.history(messages, tools.prompted or [])
     kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": True}
     if tools.tools:
         kwargs["tools"] = tools.tools

@@ -4,7 +4,8 @@ With `tool_choice` "auto" the model decides, in its own tool-call markup (the
 markers and parser mlx-lm infers from its chat template); the markup is cut out
 of the text, never sent as content. With "required" or a named function the
 call is forced by a grammar (`structured.forced_call_grammar`) and is the whole
-reply. With "none" no call is made or read.
+reply. With "none" no call is made or read. A model whose template knows no
+tools gets the server's own protocol for them (`prompted_tools`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from ..engine import Engine
 from ..engine.text import overlap
+from . import prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
 from .structured import TEMPLATE_JSON, forced_call_grammar
@@ -28,6 +30,7 @@ class ToolPlan:
     grammar: str | None = None  # forced: the call's grammar
     templated: bool = True  # the chat template renders tools and tool calls itself
     prefix: str = ""  # forced: text the reply starts with, written into the prompt
+    prompted: list[dict[str, Any]] | None = None  # tools described by `prompted_tools`
 
 
 def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
@@ -52,20 +55,18 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     templated = bool(getattr(engine.tokenizer, "has_tool_calling", False))
     shown = tools if templated else []
+    prompted = None if templated or not tools else tools
     if choice == "none" or not tools:
         if choice not in ("none", "auto"):
             raise APIError(400, "tool_choice needs tools.", param="tool_choice")
-        return ToolPlan("none", shown if tools else [], templated=templated)
+        return ToolPlan("none", shown if tools else [], templated=templated, prompted=prompted)
     if choice == "auto":
-        if not templated:
-            raise APIError(
-                400,
-                "This model's chat template has no tool calling, so it cannot choose to call "
-                'a tool. Force a call with tool_choice "required" or a named function.',
-                param="tools",
-                code="tools_not_supported",
-            )
-        return ToolPlan("auto", shown, templated=templated)
+        if templated:
+            return ToolPlan("auto", shown, templated=templated)
+        grammar = None
+        if req.response_format is None or req.response_format.get("type") == "text":
+            grammar = prompted_tools.lazy_grammar(tools)  # else the reply's format rules
+        return ToolPlan("auto", [], grammar, templated=False, prompted=tools)
     if choice == "required":
         chosen = tools
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
@@ -88,7 +89,11 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
         start = engine.tokenizer.tool_call_start + "\n"
         grammar = forced_call_grammar(chosen, TEMPLATE_JSON)
         return ToolPlan("forced", shown, grammar, templated=True, prefix=start)
-    return ToolPlan("forced", shown, forced_call_grammar(chosen), templated=templated)
+    if templated:
+        return ToolPlan("forced", shown, forced_call_grammar(chosen))
+    grammar = forced_call_grammar(chosen)
+    return ToolPlan("forced", [], grammar, templated=False, prefix=prompted_tools.PREFIX,
+                    prompted=tools)  # fmt: skip
 
 
 def _json_between_markers(tokenizer: Any) -> bool:
@@ -112,20 +117,6 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def calls_as_text(calls: list[dict[str, Any]]) -> str:
-    """Tool calls for a template that knows none: as the forced call's own JSON.
-
-    That is the text the model generated for them (compact, keys in order), so
-    the next turn's prompt begins with the tokens already cached.
-    """
-    out = []
-    for call in template_tool_calls(calls):
-        function = call.get("function") or {}
-        body = {"name": function.get("name"), "arguments": function.get("arguments")}
-        out.append(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
-    return "".join(out)
-
-
 def tool_call(name: str, arguments: Any) -> ToolCall:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
@@ -144,16 +135,22 @@ def forced_call(text: str) -> list[ToolCall]:
 
 
 class ToolCallText:
-    """Separates a streamed reply into content and tool calls in the model's own markup.
+    """Separates a streamed reply into content and tool calls in the model's own markup
+    (or, for a template without tools, `prompted_tools`' markup).
 
     Text that may be the start of a call marker is held back until ruled out, so
     no markup reaches the content.
     """
 
-    def __init__(self, engine: Engine, tools: list[dict[str, Any]]) -> None:
+    def __init__(self, engine: Engine, tools: list[dict[str, Any]], prompted: bool = False) -> None:
         tokenizer = engine.tokenizer
-        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
-        self.parser, self.tools = tokenizer.tool_parser, tools
+        if prompted:
+            self.start, self.end = prompted_tools.START, prompted_tools.END
+            self.parser = lambda text, _tools: prompted_tools.parse(text)
+        else:
+            self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
+            self.parser = tokenizer.tool_parser
+        self.tools = tools
         self.pending, self.inside = "", False
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from openai import OpenAI
 
@@ -87,15 +86,27 @@ def test_a_named_call_streams_as_tool_call_deltas(tools_live):
     assert set(args) == {"zone"} and len(args["zone"]) <= 8
 
 
-def test_a_model_without_tool_templates_can_still_be_made_to_call(server, client):
+def test_a_model_without_tool_templates_calls_and_chooses_and_reuses_its_turns(server, client):
+    """The server's own tool protocol: a forced call, then `auto` (which agents send on
+    every turn) on the same conversation, whose prompt begins with the turn before."""
     r = client.chat.completions.create(
         model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0
     )
     (call,) = r.choices[0].message.tool_calls
     valid_weather(call.function.arguments)
-    with pytest.raises(openai.BadRequestError) as e:  # but it cannot choose to
-        client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER])
-    assert e.value.body["code"] == "tools_not_supported"
+    first = r.usage.prompt_tokens + r.usage.completion_tokens
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24C."}]  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER], max_tokens=40, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or []:  # any call the model opened is valid
+        valid_weather(call.function.arguments)
+    assert "<tool_call>" not in (choice.message.content or "")
+    # The forced call re-rendered as generated: all but its end marker came from the cache.
+    assert r.usage.prompt_tokens_details.cached_tokens >= first - 2
 
 
 def test_an_eight_turn_tool_loop_reuses_the_cache(tools_live, tools_uncached):
