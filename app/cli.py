@@ -79,7 +79,16 @@ def _parser() -> argparse.ArgumentParser:
         "--strip-attribution-header",
         action="store_true",
         default=None,
-        help="cut Claude Code's per-request x-anthropic-billing-header line from system prompts",
+        help="cut Claude Code's per-request x-anthropic-billing-header line from system prompts "
+        "(the default)",
+    )
+    serve.add_argument(
+        "--keep-attribution-header",
+        dest="strip_attribution_header",
+        action="store_false",
+        default=None,
+        help="keep Claude Code's attribution line: each of its conversations then shares "
+        "nothing in the cache with another",
     )
     serve.add_argument(
         "--decode-gap",

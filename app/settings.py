@@ -48,8 +48,9 @@ class Settings:
     top_k: int | None = None
     min_p: float | None = None
     # Cut Claude Code's per-request attribution line from system prompts, so that its
-    # conversations reuse the cache (app/serving/attribution.py).
-    strip_attribution_header: bool = False
+    # conversations reuse the cache (app/serving/attribution.py); --keep-attribution-header
+    # keeps it.
+    strip_attribution_header: bool = True
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512

@@ -13,7 +13,8 @@ Two runs, every server up side by side, each turn sent to each in rotating order
   messages   Claude Code through /v1/messages. Its system prompt starts with
              `x-anthropic-billing-header: ...; cch=XXXXX;`, cch changing with every
              request (`--cch session`: once per session, as from Claude Code 2.1.181).
-             Servers: ours, ours with --strip-attribution-header, and mlx_lm.server
+             Servers: ours with --keep-attribution-header, ours as it starts (the
+             line cut), and mlx_lm.server
              (chat completions, the same messages).
   responses  Codex through /v1/responses (instructions and items; no changing span).
              Servers: ours and mlx_lm.server.
@@ -355,8 +356,8 @@ def main() -> None:
     system = system_text(args.system_words)
     budget = 2 * 1024**3
     with (
-        running("ours", model, 64, budget) as ours,
-        running("ours", model, 64, budget, ["--strip-attribution-header"]) as strip,
+        running("ours", model, 64, budget, ["--keep-attribution-header"]) as ours,
+        running("ours", model, 64, budget) as strip,
         running("peer", model, 64, budget) as peer,
     ):
         ports = {"ours": ours.port, "ours-strip": strip.port, "peer": peer.port}

@@ -1,4 +1,4 @@
-"""Claude Code's attribution line, cut from system prompts when the operator asks.
+"""Claude Code's attribution line, cut from system prompts unless the operator keeps it.
 
 Claude Code (2.1.36 on) starts its system prompt with a text block
 `x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=XXXXX;` whose
@@ -6,10 +6,10 @@ Claude Code (2.1.36 on) starts its system prompt with a text block
 base URL is not Anthropic's). At the very start of the prompt, it leaves a prefix
 cache nothing to reuse: every turn is prefilled whole, and no two sessions share
 their system prompt and tool definitions. Anthropic reads the line as billing
-data; a model has no use for it. `--strip-attribution-header` removes it from the
-start of system messages before the chat template sees them (and nothing else: a
-prompt that quotes it further on keeps it); the client's own switch is
-`CLAUDE_CODE_ATTRIBUTION_HEADER=0`.
+data; a model has no use for it. So it is removed from the start of system messages
+before the chat template sees them (and nothing else: a prompt that quotes it
+further on keeps it); `--keep-attribution-header` keeps it. The client's own
+switch is `CLAUDE_CODE_ATTRIBUTION_HEADER=0`.
 """
 
 from __future__ import annotations

@@ -228,7 +228,7 @@ def claude_code_system(cch: str) -> list[dict]:
     return [{"type": "text", "text": header}, {"type": "text", "text": SYSTEM}]
 
 
-def test_claude_codes_attribution_line_can_be_cut_so_turns_reuse_the_cache(
+def test_claude_codes_attribution_line_is_cut_by_default_so_sessions_reuse_the_cache(
     tiny_model_dir, tools_live
 ):
     def twice(live):
@@ -244,10 +244,11 @@ def test_claude_codes_attribution_line_can_be_cut_so_turns_reuse_the_cache(
             for cch in ("97bd6", "24c2d")
         ]
 
-    _, default = twice(tools_live)
     with serving(
-        str(tiny_model_dir), served_model_name="tiny", strip_attribution_header=True
+        str(tiny_model_dir), served_model_name="tiny", strip_attribution_header=False
     ) as live:
+        _, kept = twice(live)
+    with serving(str(tiny_model_dir), served_model_name="tiny") as live:
         first, second = twice(live)
         plain = client_of(live).messages.create(
             model="tiny", system=SYSTEM, messages=HELLO, max_tokens=4, extra_body={"temperature": 0}
@@ -261,9 +262,9 @@ def test_claude_codes_attribution_line_can_be_cut_so_turns_reuse_the_cache(
             model="tiny", system=claude_code_system("ead88"), messages=HELLO
         )
         assert counted.input_tokens == total
-    # As served by default, nothing after the changing token is reused: all that follows it
-    # (the line's end, the system prompt, the messages) is prefilled again.
-    assert default.usage.input_tokens > total - 8
+    # Kept, nothing after the changing token is reused: all that follows it (the line's
+    # end, the system prompt, the messages) is prefilled again.
+    assert kept.usage.input_tokens > total - 8
 
 
 def test_refusals_before_the_route_come_in_anthropics_shape_too(tiny_model_dir):
