@@ -29,10 +29,17 @@ from .tools import plan_tools
 
 ROUTE = "/v1/messages"
 PING_EVERY = 5.0  # seconds without an event before a ping: agents warn of stalls after ~20
+# Anthropic's own tools, run on its servers: nothing here runs them, so none is offered.
+SERVER_TOOLS = ("web_search", "web_fetch", "code_execution", "tool_search_tool", "mcp_toolset")
+# Blocks of Anthropic's server tools in an assistant turn: never ours to render.
+SERVER_BLOCKS = {"server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                 "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                 "tool_search_tool_result", "container_upload"}  # fmt: skip
 
 
 class AnthropicMessage(_Request):
-    role: Literal["user", "assistant"]
+    # Claude Code sends "system" turns among the messages (the agent types it offers).
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -65,8 +72,9 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         texts, calls, thoughts = [], [], []
         for j, block in enumerate(blocks):
             kind, where = block.get("type"), f"messages[{i}].content[{j}]"
-            if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
+            text = _block_text(block, where) if m.role != "assistant" or kind == "text" else None
+            if text is not None:
+                texts.append(text)
             elif kind == "tool_result" and m.role == "user":
                 text = _text(block.get("content"), f"{where}.content")
                 if block.get("is_error"):
@@ -83,9 +91,20 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
                 thoughts.append(str(block.get("thinking") or ""))
             elif kind == "redacted_thinking" and m.role == "assistant":
                 continue  # another server's encrypted thinking: nothing to render
+            elif kind in SERVER_BLOCKS and m.role == "assistant":
+                continue  # Anthropic's server tools, never offered here
             else:
                 raise APIError(400, f"Unsupported content block {kind!r} here.", param=where)
-        if m.role == "assistant":
+        role = m.role
+        if role == "system":  # before any turn, it is the system prompt's; after, a user's
+            started = any(x["role"] != "system" for x in messages)
+            if not started and messages:
+                messages[0]["content"] += "\n\n" + "\n\n".join(texts)
+                continue
+            role = "user" if started else "system"
+        if role == "system":
+            messages.append({"role": "system", "content": "\n\n".join(texts)})
+        elif role == "assistant":
             out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
             if calls:
                 out["tool_calls"] = calls
@@ -98,17 +117,7 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
                 messages[-1]["content"] += "\n\n" + text
             else:
                 messages.append({"role": "user", "content": text})
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
-            },
-        }
-        for t in req.tools or []
-    ]
+    tools = _tools(req.tools or [], _loaded(req.messages))
     chat = {
         "model": req.model,
         "messages": messages,
@@ -125,6 +134,61 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     return chat_request(chat)
 
 
+def _tools(tools: list[dict[str, Any]], loaded: set[str]) -> list[dict[str, Any]]:
+    """The tools to offer, as chat's functions: Anthropic's server tools left out, and
+    `defer_loading` ones until a tool search has loaded them (a `tool_reference`)."""
+    out = []
+    for t in tools:
+        kind = str(t.get("type") or "custom")
+        if kind.startswith(SERVER_TOOLS) or (
+            t.get("defer_loading") and t.get("name") not in loaded
+        ):
+            continue
+        parameters = t.get("input_schema") or {"type": "object", "properties": {}}
+        function = {"name": t.get("name"), "description": t.get("description", "")}
+        out.append({"type": "function", "function": {**function, "parameters": parameters}})
+    return out
+
+
+def _loaded(messages: list[AnthropicMessage]) -> set[str]:
+    """Tools a tool search loaded in the conversation: `tool_reference` blocks' names."""
+    names: set[str] = set()
+    for m in messages:
+        for block in m.content if isinstance(m.content, list) else []:
+            inner = block.get("content") if block.get("type") == "tool_result" else None
+            for b in [block, *(inner if isinstance(inner, list) else [])]:
+                if isinstance(b, dict) and b.get("type") == "tool_reference":
+                    names.add(str(b.get("tool_name")))
+    return names
+
+
+def _block_text(block: dict[str, Any], where: str) -> str | None:
+    """What a model that reads text takes from a user-side block; None for blocks that are
+    not text-like (tool results, calls, thinking), which the caller handles."""
+    kind = block.get("type")
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            raise APIError(400, "A text block needs its 'text'.", param=f"{where}.text")
+        return block["text"]
+    if kind == "image":
+        return "[An image was attached here; this server passes text only.]"
+    if kind == "tool_reference":
+        return f"Tool loaded: {block.get('tool_name')}"
+    if kind == "search_result":
+        body = _text(block.get("content"), f"{where}.content")
+        return "\n".join(str(x) for x in (block.get("title"), block.get("source"), body) if x)
+    if kind == "document":
+        source = block.get("source") if isinstance(block.get("source"), dict) else {}
+        if source.get("type") == "text" and isinstance(source.get("data"), str):
+            body = source["data"]
+        elif source.get("type") == "content":
+            body = _text(source.get("content"), f"{where}.source.content")
+        else:  # a PDF or a file by URL or id: nothing here reads those
+            body = "[A document was attached here; this server passes text only.]"
+        return f"{block['title']}\n{body}" if isinstance(block.get("title"), str) else body
+    return None
+
+
 def _text(blocks: Any, param: str) -> str:
     if blocks is None:
         return ""
@@ -134,10 +198,10 @@ def _text(blocks: Any, param: str) -> str:
         raise APIError(400, "Expected a string or a list of text blocks.", param=param)
     texts = []
     for j, block in enumerate(blocks):
-        ok = isinstance(block, dict) and block.get("type") == "text"
-        if not ok or not isinstance(block.get("text"), str):
-            raise APIError(400, "Only text blocks are supported here.", param=f"{param}[{j}]")
-        texts.append(block["text"])
+        text = _block_text(block, f"{param}[{j}]") if isinstance(block, dict) else None
+        if text is None:
+            raise APIError(400, "Only text-like blocks are supported here.", param=f"{param}[{j}]")
+        texts.append(text)
     return "\n\n".join(texts)
 
 

@@ -168,7 +168,7 @@ def test_a_forced_call_cut_off_by_max_tokens_is_not_a_tool_use(tools_live):
 
 
 @pytest.mark.parametrize(
-    "content", [None, ["not a block"], {"type": "text", "text": "x"}, [{"type": "image"}]]
+    "content", [None, ["not a block"], {"type": "text", "text": "x"}, [{"type": "video"}]]
 )
 def test_malformed_tool_results_are_400s_in_anthropics_shape(tools_live, content):
     messages = [
@@ -188,6 +188,54 @@ def test_malformed_tool_results_are_400s_in_anthropics_shape(tools_live, content
     else:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_blocks_claude_code_sends_are_taken_as_anthropic_documents_them(tools_live):
+    """System turns among the messages, tool search (`tool_reference`, `defer_loading`),
+    images, documents and search results, and Anthropic's server tools' blocks."""
+    client = client_of(tools_live)
+    deferred = {**WEATHER, "name": "get_forecast", "defer_loading": True}
+    server_tool = {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": [
+            {"type": "text", "text": "Find the forecast."},
+            {"type": "document", "title": "Notes", "source": {
+                "type": "text", "media_type": "text/plain", "data": "Rain expected."}},
+            image]},
+        {"role": "system", "content": "Agent types: general."},
+        {"role": "assistant", "content": [
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
+             "input": {"query": "forecast"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+            {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"q": "fc"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "tool_reference", "tool_name": "get_forecast"},
+                {"type": "search_result", "source": "https://example.com", "title": "Forecast",
+                 "content": [{"type": "text", "text": "Sunny."}]},
+                image]}]},
+    ]  # fmt: skip
+    search = {"name": "ToolSearch", "input_schema": {"type": "object"}}
+    tools = [search, WEATHER, deferred, server_tool]
+    r = client.messages.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=4, extra_body={"temperature": 0}
+    )
+    assert r.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    # A deferred tool is offered once a tool search loaded it, and not before.
+    before = messages[:1]
+
+    def count(msgs, ts):
+        return client.messages.count_tokens(model="tiny", messages=msgs, tools=ts).input_tokens
+
+    assert count(before, [search, WEATHER, deferred]) == count(before, [search, WEATHER])
+    assert count(messages, [search, WEATHER, deferred]) > count(messages, [search, WEATHER])
+    forced = client.messages.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=200,
+        tool_choice={"type": "tool", "name": "get_forecast"}, extra_body={"temperature": 0},
+    )  # fmt: skip
+    assert [b.name for b in forced.content if b.type == "tool_use"] == ["get_forecast"]
 
 
 def test_max_tokens_past_what_fits_is_lowered_not_refused(tiny_model_dir):
