@@ -1,8 +1,9 @@
 """OpenAI's Responses API (`POST /v1/responses`), as Codex CLI speaks it.
 
-A thin translator, as `anthropic` is: input items become a chat request, run
-through the chat surface's start (template, tools, constraints, engine, cache);
-the reply comes back as output items (`message`, `function_call`) with usage
+A thin translator, as `anthropic` is: input items become a chat request
+(`responses_input`), run through the chat surface's start (template, tools,
+constraints, engine, cache); the reply comes back as output items (`message`,
+`function_call`, `custom_tool_call`) with usage
 whose `input_tokens_details.cached_tokens` is what the cache served, or as the
 Responses stream events, each with its `sequence_number`. Nothing is stored:
 `previous_response_id` is a 400 asking for the whole input, which the cache
@@ -20,168 +21,51 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from pydantic import Field
 
 from ..engine import Delta, Failed, Finished, Started
-from .chat import ChatCompletionsServing, Run, chat_request
-from .errors import APIError
+from .chat import ChatCompletionsServing, Run
 from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
-from .schemas import ChatCompletionRequest, FunctionCall, TextRequest, ToolCall, ToolCallDelta
+from .responses_input import Offered, ResponsesRequest, to_chat
+from .schemas import FunctionCall, ToolCall, ToolCallDelta
 from .sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, EventStream
 
 ROUTE = "/v1/responses"
-# A custom (free-form) tool is offered to the model as a function of one string, since
-# that is what chat templates and tool parsers know; its call goes back to the client
-# as a custom_tool_call with that string as its input. The tool's input grammar (say,
-# Codex's apply_patch in Lark) is shown to the model in its description, not enforced.
-CUSTOM_PARAMETERS = {
-    "type": "object",
-    "properties": {"input": {"type": "string"}},
-    "required": ["input"],
-    "additionalProperties": False,
-}
-HOSTED_TOOLS = {"web_search", "web_search_preview", "file_search", "code_interpreter",
-                "computer_use_preview", "image_generation", "local_shell", "mcp"}  # fmt: skip
+__all__ = ["ResponsesRequest", "ResponsesServing", "failed_stream"]
 
 
-class ResponsesRequest(TextRequest):
-    model: str
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    stream: bool = False
-    text: dict[str, Any] | None = None
-    previous_response_id: str | None = None
-    store: bool | None = None
-    prompt_cache_key: str | None = None  # accepted and ignored, as in chat completions
-    parallel_tool_calls: bool | None = None
+def failed_stream(req: ResponsesRequest, code: str, message: str) -> str:
+    """The whole stream of a response that failed before it started (its model's load, say):
+    `response.created`, then `response.failed` with the error, as a failed generation ends."""
+    response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), {})
+    failed = response.body([], None, None, "failed")
+    failed["error"] = {"code": code, "message": message}
+    created = response.event(
+        "response.created", response=response.body([], None, None, "in_progress")
+    )
+    return created + response.event("response.failed", response=failed)
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The same request in chat completions' terms, or a 400 naming what cannot be."""
-    if req.previous_response_id is not None:
-        raise APIError(
-            400,
-            "previous_response_id is not supported: this server stores no responses. Send the "
-            "whole conversation as input; its cache makes that nearly free.",
-            param="previous_response_id",
-        )
-    # Turns are merged as a chat template expects them: one leading system turn (the
-    # instructions and developer messages), no two user turns in a row, and an assistant's
-    # text and calls in one turn, as the model produced them (so its tokens stay cached).
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
-    for i, item in enumerate(items):
-        kind, where = item.get("type", "message"), f"input[{i}]"
-        last = messages[-1] if messages else None
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise APIError(400, f"Unknown role {role!r}.", param=f"{where}.role")
-            role = "system" if role == "developer" else role
-            text = _text(item.get("content"), where)
-            if last is not None and last["role"] == role and role in ("system", "user"):
-                last["content"] = f"{last['content']}\n\n{text}"
-            else:
-                messages.append({"role": role, "content": text})
-        elif kind in ("function_call", "custom_tool_call"):
-            call_id, name = _named(item, "call_id", where), _named(item, "name", where)
-            arguments = item.get("arguments", "")
-            if kind == "custom_tool_call":
-                if not isinstance(item.get("input"), str):
-                    raise APIError(400, "'input' must be a string.", param=f"{where}.input")
-                arguments = _custom_arguments(item["input"])
-            function = {"name": name, "arguments": arguments if isinstance(arguments, str) else ""}
-            call = {"id": call_id, "type": "function", "function": function}
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # the same turn's text or calls
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            output = item.get("output", "")
-            content = output if isinstance(output, str) else _text(output, f"{where}.output")
-            call_id = _named(item, "call_id", where)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
-        elif kind == "reasoning":
-            # The thinking of the assistant turn that follows, as it was generated: a template
-            # that writes thinking back renders those tokens.
-            thought = "".join(
-                str(part.get("text") or "")
-                for part in item.get("content") or []
-                if isinstance(part, dict) and part.get("type") == "reasoning_text"
-            )
-            continue
-        else:
-            raise APIError(400, f"Unsupported input item type {kind!r}.", param=where)
-        turn = messages[-1]
-        if thought is not None and turn["role"] == "assistant":
-            turn.setdefault("reasoning_content", thought)
-        thought = None
-    if not messages:
-        raise APIError(400, "The input is empty.", param="input")
-    tools, kinds = [], {}  # kinds: each offered tool's name -> "function" or "custom"
-    for i, tool in enumerate(req.tools or []):
-        kind, name, where = tool.get("type"), tool.get("name"), f"tools[{i}]"
-        if isinstance(kind, str) and kind in HOSTED_TOOLS:
-            continue  # the provider's own tools: nothing here runs them, so none is offered
-        if kind not in ("function", "custom"):
-            raise APIError(
-                400, f"Only function and custom tools are supported; got {kind!r}.", param=where
-            )
-        if not isinstance(name, str) or not name:
-            raise APIError(400, "Each tool needs a 'name'.", param=f"{where}.name")
-        if name in kinds:
-            raise APIError(400, f"Two tools are named {name!r}.", param=f"{where}.name")
-        kinds[name] = kind
-        if kind == "custom":
-            parameters = CUSTOM_PARAMETERS
-        else:
-            parameters = tool.get("parameters") or {"type": "object", "properties": {}}
-        function = {"name": name, "description": _description(tool, where)}
-        tools.append({"type": "function", "function": {**function, "parameters": parameters}})
-    if not tools and req.tool_choice not in (None, "auto", "none"):
-        raise APIError(400, "tool_choice needs a function or custom tool.", param="tool_choice")
-    chat = {
-        "model": req.model,
-        "messages": messages,
-        "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "tools": tools or None,
-        "tool_choice": _tool_choice(req.tool_choice, kinds) if tools else None,
-        "response_format": _format(req.text),
-    }
-    return chat_request(chat)
+class ResponsesServing:
+    def __init__(self, chat: ChatCompletionsServing) -> None:
+        self.chat = chat
 
-
-def _description(tool: dict[str, Any], where: str) -> str:
-    text = tool.get("description") or ""
-    if tool.get("type") != "custom" or tool.get("format") is None:
-        return text
-    spec = tool["format"]
-    if isinstance(spec, dict) and spec.get("type") == "text":
-        return text
-    ok = isinstance(spec, dict) and spec.get("type") == "grammar"
-    if not ok or not all(isinstance(spec.get(k), str) for k in ("syntax", "definition")):
-        raise APIError(
-            400,
-            'A custom tool\'s format is {"type": "text"} or {"type": "grammar", "syntax": ..., '
-            '"definition": ...}.',
-            param=f"{where}.format",
-        )
-    grammar = f"The input follows this {spec['syntax']} grammar:\n{spec['definition']}"
-    return f"{text}\n\n{grammar}" if text else grammar
-
-
-def _custom_arguments(text: str) -> str:
-    return json.dumps({"input": text}, ensure_ascii=False)
+    async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
+        chat, offered = await off_loop(to_chat, req)
+        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
+        response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
+        if req.stream:
+            return EventStream(response.stream(run))
+        result = await until_disconnected(request, collect(run.events))
+        thought, text, calls = run.reply.whole_all(result.text)
+        status = "incomplete" if result.finish_reason == "length" else "completed"
+        items = []
+        if thought:  # as streamed: a thinking block with no text is left out
+            cut = status == "incomplete" and not text and not calls  # cut while thinking
+            items.append(_reasoning(response.reasoning_id, thought, status if cut else "completed"))
+        items += [_message(response.message_id, text or "", status)] if text else []
+        items += [_call_item(call, offered, status) for call in calls]
+        usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+        return response.body(items, result.finish_reason, usage)
 
 
 def _custom_input(arguments: str) -> str:
@@ -201,91 +85,6 @@ def _custom_input(arguments: str) -> str:
     return arguments
 
 
-def _named(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        raise APIError(400, f"'{key}' is required here.", param=f"{where}.{key}")
-    return value
-
-
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, "Expected a string or a list of text parts.", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(
-            part.get("text"), str
-        ):
-            raise APIError(400, f"Unsupported content part {kind!r}.", param=f"{where}[{j}]")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _tool_choice(choice: Any, kinds: dict[str, str]) -> Any:
-    if choice is None or choice in ("auto", "none", "required"):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        name = choice.get("name")
-        if kinds.get(name) != choice["type"]:
-            raise APIError(
-                400, f"tool_choice names no {choice['type']} tool given: {name!r}.",
-                param="tool_choice",
-            )  # fmt: skip
-        return {"type": "function", "function": {"name": name}}
-    raise APIError(400, f"Unsupported tool_choice {choice!r}.", param="tool_choice")
-
-
-def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    spec = (text or {}).get("format")
-    if not isinstance(spec, dict) or spec.get("type") == "text":
-        return None
-    if spec.get("type") == "json_schema":
-        schema = {key: spec.get(key) for key in ("name", "schema", "strict")}
-        return {"type": "json_schema", "json_schema": schema}
-    return {"type": spec.get("type")}
-
-
-def failed_stream(req: ResponsesRequest, code: str, message: str) -> str:
-    """The whole stream of a response that failed before it started (its model's load, say):
-    `response.created`, then `response.failed` with the error, as a failed generation ends."""
-    response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), set())
-    failed = response.body([], None, None, "failed")
-    failed["error"] = {"code": code, "message": message}
-    created = response.event(
-        "response.created", response=response.body([], None, None, "in_progress")
-    )
-    return created + response.event("response.failed", response=failed)
-
-
-class ResponsesServing:
-    def __init__(self, chat: ChatCompletionsServing) -> None:
-        self.chat = chat
-
-    async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
-        chat = await off_loop(to_chat, req)
-        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
-        custom = {t.get("name") for t in req.tools or [] if t.get("type") == "custom"}
-        response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), custom)
-        if req.stream:
-            return EventStream(response.stream(run))
-        result = await until_disconnected(request, collect(run.events))
-        thought, text, calls = run.reply.whole_all(result.text)
-        status = "incomplete" if result.finish_reason == "length" else "completed"
-        items = []
-        if thought:  # as streamed: a thinking block with no text is left out
-            cut = status == "incomplete" and not text and not calls  # cut while thinking
-            items.append(_reasoning(response.reasoning_id, thought, status if cut else "completed"))
-        items += [_message(response.message_id, text or "", status)] if text else []
-        items += [_call_item(call, custom, status) for call in calls]
-        usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
-        return response.body(items, result.finish_reason, usage)
-
-
 def _reasoning(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     part = {"type": "reasoning_text", "text": text}
     return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
@@ -300,16 +99,22 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict[str, An
     }  # fmt: skip
 
 
-def _call_item(call: ToolCall, custom: set[str], status: str = "completed") -> dict[str, Any]:
-    name, arguments, suffix = call.function.name, call.function.arguments, call.id[5:]
-    if name in custom:
+def _call_item(
+    call: ToolCall, offered: dict[str, Offered], status: str = "completed"
+) -> dict[str, Any]:
+    """A call as its output item: by the tool's own name, its namespace apart (Codex refuses
+    a qualified name), a custom tool's as a custom_tool_call."""
+    arguments, suffix = call.function.arguments, call.id[5:]
+    tool = offered.get(call.function.name) or Offered("function", call.function.name)
+    namespace = {"namespace": tool.namespace} if tool.namespace else {}
+    if tool.kind == "custom":
         return {
-            "type": "custom_tool_call", "id": f"ctc_{suffix}", "call_id": call.id, "name": name,
-            "input": _custom_input(arguments), "status": status,
+            "type": "custom_tool_call", "id": f"ctc_{suffix}", "call_id": call.id,
+            "name": tool.name, **namespace, "input": _custom_input(arguments), "status": status,
         }  # fmt: skip
     return {
-        "type": "function_call", "id": f"fc_{suffix}", "call_id": call.id, "name": name,
-        "arguments": arguments, "status": status,
+        "type": "function_call", "id": f"fc_{suffix}", "call_id": call.id, "name": tool.name,
+        **namespace, "arguments": arguments, "status": status,
     }  # fmt: skip
 
 
@@ -326,8 +131,10 @@ def _usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
 class _Response:
     """One response object, as created, streamed and completed."""
 
-    def __init__(self, req: ResponsesRequest, rid: str, created: int, custom: set[str]) -> None:
-        self.req, self.id, self.created, self.custom = req, rid, created, custom
+    def __init__(
+        self, req: ResponsesRequest, rid: str, created: int, offered: dict[str, Offered]
+    ) -> None:
+        self.req, self.id, self.created, self.offered = req, rid, created, offered
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
         self.sequence = 0
@@ -475,7 +282,7 @@ class _Response:
                 call_id = delta.id or f"call_{uuid.uuid4().hex[:24]}"
                 name = delta.function.name if delta.function else ""
                 call = ToolCall(id=call_id, function=FunctionCall(name=name, arguments=""))
-                item = _call_item(call, self.custom, "in_progress")
+                item = _call_item(call, self.offered, "in_progress")
                 items.append(item)
                 added = self.event(
                     "response.output_item.added", output_index=calls[delta.index], item=dict(item)

@@ -133,7 +133,7 @@ def test_a_function_call_streams_its_arguments(tools_live):
             {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
             "input[0].call_id",
         ),
-        ({"input": [{"type": "image_generation_call"}]}, "input[0]"),
+        ({"input": [{"type": "telepathy_call"}]}, "input[0]"),
         ({"input": []}, "input"),
     ],
 )

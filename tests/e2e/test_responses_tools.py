@@ -1,0 +1,133 @@
+"""The Responses API's tool surface as Codex and the Agents SDK use it, through the `openai`
+SDK: namespaces, the provider's own tools and their items, allowed_tools, on a model whose
+template knows no tools."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+AGENTS = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [
+        {"type": "function", "name": "close_agent", "description": "Close an agent.",
+         "strict": False, "parameters": {"type": "object", "properties": {
+             "id": {"type": "string", "maxLength": 6}}, "required": ["id"],
+             "additionalProperties": False}},
+    ],
+}  # fmt: skip
+SHELL = {"type": "function", "name": "exec_command", "description": "Run a command.",
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string", "maxLength": 8}},
+                        "required": ["cmd"], "additionalProperties": False}}  # fmt: skip
+HOSTED = [
+    {"type": "web_search", "external_web_access": False},
+    {"type": "shell"},
+    {"type": "apply_patch"},
+    {"type": "tool_search"},
+    {"type": "image_generation"},
+]
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_a_namespaced_call_comes_back_apart_and_goes_back_in_as_codex_sends_it(oai):
+    r = oai.responses.create(
+        model="tiny", input="Close agent a1.", tools=[AGENTS, SHELL, *HOSTED],
+        tool_choice="required", temperature=0, max_output_tokens=200,
+    )  # fmt: skip
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    raw = call.model_dump()
+    assert raw["name"] in ("close_agent", "exec_command")
+    if raw["name"] == "close_agent":
+        assert raw["namespace"] == "multi_agent_v1"
+    else:
+        assert "namespace" not in raw or raw["namespace"] is None
+    json.loads(call.arguments)
+    seen = r.usage.input_tokens + r.usage.output_tokens
+    follow = oai.responses.create(
+        model="tiny", tools=[AGENTS, SHELL, *HOSTED], temperature=0, max_output_tokens=8,
+        input=[
+            {"role": "user", "content": "Close agent a1."},
+            {k: v for k, v in raw.items() if k in ("type", "call_id", "name", "namespace",
+                                                   "arguments") and v is not None},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "closed"},
+        ],
+    )  # fmt: skip
+    assert follow.status in ("completed", "incomplete")
+    # The call re-rendered as generated: the whole previous turn but its end came cached.
+    assert follow.usage.input_tokens_details.cached_tokens >= seen - 2
+
+
+def test_a_forced_namespaced_function_is_named_with_its_namespace(oai):
+    r = oai.responses.create(
+        model="tiny", input="Close agent a1.", tools=[AGENTS, SHELL], temperature=0,
+        tool_choice={"type": "function", "name": "close_agent", "namespace": "multi_agent_v1"},
+        max_output_tokens=200,
+    )  # fmt: skip
+    (call,) = [o.model_dump() for o in r.output if o.type == "function_call"]
+    assert (call["name"], call["namespace"]) == ("close_agent", "multi_agent_v1")
+
+
+def test_allowed_tools_limits_what_is_called(oai):
+    choice = {"type": "allowed_tools", "mode": "required",
+              "tools": [{"type": "function", "name": "exec_command"}]}  # fmt: skip
+    r = oai.responses.create(
+        model="tiny", input="List files.", tools=[AGENTS, SHELL], tool_choice=choice,
+        temperature=0, max_output_tokens=200,
+    )  # fmt: skip
+    assert [o.name for o in r.output if o.type == "function_call"] == ["exec_command"]
+
+
+def test_items_of_tools_run_elsewhere_are_accepted_and_left_out(server):
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed",
+         "action": {"type": "search", "query": "x"}},
+        {"type": "tool_search_call", "id": "ts_1", "arguments": {"q": "x"}},
+        {"type": "compaction", "id": "cmp_1", "encrypted_content": "opaque"},
+        {"type": "item_reference", "id": "msg_1"},
+        {"type": "local_shell_call", "id": "ls_1", "call_id": "c1", "status": "completed",
+         "action": {"type": "exec", "command": ["ls"]}},
+        {"type": "local_shell_call_output", "id": "ls_1", "output": "a.txt"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "refusal", "refusal": "I cannot."}]},
+        {"type": "message", "role": "user", "content": "Again."},
+    ]  # fmt: skip
+    body = {"model": "tiny", "input": items, "tools": HOSTED, "max_output_tokens": 4}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    plain = {"model": "tiny", "max_output_tokens": 4, "input": [items[0], items[-2], items[-1]]}
+    again = httpx.post(server.url + "/v1/responses", json=plain, timeout=60).json()
+    # Left out: the same prompt as without them.
+    assert again["usage"]["input_tokens"] == r.json()["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0][0]", "unsupported_content"),
+        ({"tools": HOSTED, "tool_choice": {"type": "web_search"}}, "tool_choice", None),
+        ({"tools": [SHELL], "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                            "tools": [{"type": "function", "name": "nope"}]}},
+         "tool_choice", None),
+        ({"tools": [{**AGENTS, "tools": "none"}]}, "tools[0]", None),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_done_says_why(server, body, param, code):
+    r = httpx.post(
+        server.url + "/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"]
+    if code:
+        assert error["code"] == code
