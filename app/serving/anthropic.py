@@ -228,7 +228,7 @@ class MessagesServing:
     async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:
         chat = await off_loop(to_chat, req)
         chat.model = self.served_as(req.model)
-        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
+        run = await self.chat.start(chat, tenant, route=ROUTE)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return EventStream(_stream(run, mid, req.model))

@@ -90,7 +90,6 @@ class ChatCompletionsServing(Surface):
         req: ChatCompletionRequest,
         tenant: str | None,
         route: str = ROUTE,
-        cap_max_tokens: bool = False,
     ) -> Run:
         """Check a chat request, render it, and start its generation.
 
@@ -129,7 +128,6 @@ class ChatCompletionsServing(Surface):
                 settings=settings,
                 defaults=self.defaults,
                 prompt_param="messages",
-                cap_max_tokens=cap_max_tokens,
             )
             if grammar is not None:
                 params.constraint = await off_loop(_constraint, engine, grammar)

@@ -6,6 +6,7 @@ to fix its request; nothing here touches the engine's state except the slot.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -14,6 +15,8 @@ from ..settings import Settings
 from .defaults import SamplingDefaults
 from .errors import APIError
 from .schemas import SamplingFields
+
+log = logging.getLogger("mlx_cache_server.requests")
 
 MAX_STOP_SEQUENCES = 16
 
@@ -92,13 +95,13 @@ def sampling_params(
     settings: Settings,
     defaults: SamplingDefaults,
     prompt_param: str,
-    cap_max_tokens: bool = False,
 ) -> SamplingParams:
     """The engine's parameters for a request, or a 400 naming what is out of bounds.
 
-    With `cap_max_tokens`, a max_tokens past the server's cap or the context's
-    room is lowered to fit instead (Anthropic clients ask for far more than a
-    small model's context holds, and expect to be stopped with max_tokens).
+    A max_tokens past the server's cap or the context's room is lowered to fit,
+    on every API: agents ask for far more than a small model's context holds and
+    expect to be stopped at max_tokens (one that got a 400 compacted its history
+    and asked again, forever). A prompt that alone does not fit stays a 400.
     """
     if req.n != 1:
         raise APIError(400, "Only n=1 is supported; send several requests instead.", param="n")
@@ -113,23 +116,14 @@ def sampling_params(
         )
     if max_tokens is None:
         max_tokens = min(room, settings.default_max_tokens)
-    elif cap_max_tokens:
-        max_tokens = min(max_tokens, room, settings.max_tokens_cap)
-    elif max_tokens > settings.max_tokens_cap:
-        raise APIError(
-            400,
-            f"max_tokens is too large: {max_tokens}. This server allows at most "
-            f"{settings.max_tokens_cap}.",
-            param="max_tokens",
-        )
-    elif max_tokens > room:
-        raise APIError(
-            400,
-            f"max_tokens is too large: the prompt has {prompt_tokens} tokens and this model's "
-            f"context is {engine.context_length}, which leaves room for {room}.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    elif max_tokens > min(room, settings.max_tokens_cap):
+        fits = min(room, settings.max_tokens_cap)
+        log.info(
+            "max_tokens %d lowered to %d: %s", max_tokens, fits,
+            f"the prompt's {prompt_tokens} tokens leave that much of the {engine.context_length}"
+            "-token context" if fits == room else "the server's max_tokens_cap",
+        )  # fmt: skip
+        max_tokens = fits
     top_k = defaults.top_k if req.top_k is None else req.top_k
     if top_k > engine.vocab_size:
         raise APIError(

@@ -51,7 +51,7 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
         chat, offered = await off_loop(to_chat, req)
-        run = await self.chat.start(chat, tenant, route=ROUTE, cap_max_tokens=True)
+        run = await self.chat.start(chat, tenant, route=ROUTE)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
         if req.stream:
             return EventStream(response.stream(run))

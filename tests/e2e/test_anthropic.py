@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from tests.helpers import WEATHER_PARAMETERS
@@ -238,7 +239,7 @@ def test_the_blocks_claude_code_sends_are_taken_as_anthropic_documents_them(tool
     assert [b.name for b in forced.content if b.type == "tool_use"] == ["get_forecast"]
 
 
-def test_max_tokens_past_what_fits_is_lowered_not_refused(tiny_model_dir):
+def test_max_tokens_past_what_fits_is_lowered_not_refused_on_every_api(tiny_model_dir):
     with serving(str(tiny_model_dir), served_model_name="tiny", max_tokens_cap=6) as live:
         body = {"model": "tiny", "messages": HELLO, "max_tokens": 64000}  # as Claude Code asks
         r = httpx.post(live.url + "/v1/messages", json=body, timeout=60)
@@ -246,6 +247,17 @@ def test_max_tokens_past_what_fits_is_lowered_not_refused(tiny_model_dir):
         reply = r.json()
         assert reply["usage"]["output_tokens"] <= 6
         assert reply["stop_reason"] in ("max_tokens", "end_turn")
+    with serving(str(tiny_model_dir), served_model_name="tiny", context_length=40) as live:
+        chat = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        r = chat.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4000)
+        # As OpenCode asks: past the context, lowered to what is left of it.
+        assert r.usage.prompt_tokens + r.usage.completion_tokens <= 40
+        assert r.choices[0].finish_reason in ("length", "stop")
+        with pytest.raises(openai.BadRequestError) as e:  # a prompt that alone does not fit
+            chat.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x" * 60}], max_tokens=4
+            )
+        assert e.value.body["code"] == "context_length_exceeded"
 
 
 def test_pings_keep_a_slow_stream_alive(tools_live, monkeypatch):

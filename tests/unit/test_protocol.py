@@ -75,8 +75,6 @@ def test_sampling_parameters_go_to_the_engine_as_given():
     [
         ({"top_k": 51}, None, 10, "top_k"),  # past the vocabulary
         ({"n": 2}, None, 10, "n"),
-        ({}, 61, 10, "max_tokens"),  # past the server's cap
-        ({}, 50, 60, "max_tokens"),  # past the context's room
         ({}, None, 100, "messages"),  # the prompt fills the context
         ({"logit_bias": {"50": 1}}, None, 10, "logit_bias"),
         ({"stop": [str(i) for i in range(17)]}, None, 10, "stop"),
@@ -87,6 +85,15 @@ def test_out_of_bounds_parameters_are_400s_naming_the_parameter(
 ):
     error = refused(params, chat(**fields), prompt_tokens, max_tokens)
     assert error.status == 400 and error.param == param
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "prompt_tokens", "lowered"),
+    [(61, 10, 60), (50, 60, 40), (1000, 99, 1), (40, 60, 40)],
+    ids=["past the server's cap", "past the context's room", "room for one", "fits"],
+)
+def test_max_tokens_past_what_fits_is_lowered_to_it(max_tokens, prompt_tokens, lowered):
+    assert params(chat(), prompt_tokens, max_tokens).max_tokens == lowered
 
 
 @pytest.mark.parametrize(
