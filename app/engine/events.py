@@ -55,6 +55,7 @@ class Started:
 class Delta:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    generated: int = 0  # tokens generated so far, this one's included: what a cut stream cost
 
 
 @dataclass

@@ -29,11 +29,12 @@ def next_output(
     text = request.stops.feed(request.detok.last_segment)
     k = request.params.logprobs
     lps = [] if at_eos or k is None else [token_logprob(tokenizer, token, logprobs, k)]
+    n = request.generated
     if request.stops.stopped:
-        return Delta(text, lps), "stop"
+        return Delta(text, lps, n), "stop"
     if finish is not None:
-        return Delta(text + request.stops.flush(), lps), finish
-    return Delta(text, lps), None
+        return Delta(text + request.stops.flush(), lps, n), finish
+    return Delta(text, lps, n), None
 
 
 def token_logprob(tokenizer: Any, token: int, logprobs: mx.array, k: int) -> TokenLogprob:

@@ -291,8 +291,11 @@ class Reply:
             out.append(ToolCallDelta(index=0, id=self.call.id, type="function", function=name))
         stop = len(self.forced) - 1  # the call's own closing brace is not its arguments'
         if stop > self.sent:
-            fragment = FunctionCallDelta(arguments=self.forced[self.sent : stop])
-            out.append(ToolCallDelta(index=0, function=fragment))
+            fragment = self.forced[self.sent : stop]
+            if out:  # one entry per index in a chunk: clients read tool_calls[0] alone
+                out[0].function.arguments = fragment
+            else:
+                out.append(ToolCallDelta(index=0, function=FunctionCallDelta(arguments=fragment)))
             self.sent = stop
         return out
 

@@ -120,6 +120,7 @@ async def tracked(
     t0 = time.perf_counter()
     deadline = t0 + timeout
     first = started = finished = None
+    generated = 0  # tokens so far: logged for a request that never finishes
     events = engine.stream(tokens, params, ctx.tenant)
     try:
         while True:
@@ -138,8 +139,9 @@ async def tracked(
                 return
             if isinstance(event, Started):
                 started = event
-            elif isinstance(event, Delta) and first is None:
-                first = time.perf_counter()
+            elif isinstance(event, Delta):
+                first = time.perf_counter() if first is None else first
+                generated = max(generated, event.generated)
             elif isinstance(event, Failed):
                 # The id in the message is the one in the log's line for this request.
                 event = Failed(f"{event.message} (request id {ctx.id})", event.reason)
@@ -150,14 +152,14 @@ async def tracked(
     finally:
         slot.release()
         await events.aclose()
-        _record(ctx, metrics, t0, first, started, finished)
+        _record(ctx, metrics, t0, first, started, finished, generated)
 
 
-def _record(ctx, metrics, t0, first, started, finished) -> None:
+def _record(ctx, metrics, t0, first, started, finished, generated) -> None:
     total = time.perf_counter() - t0
     prompt = started.prompt_tokens if started else 0
     cached = started.cached_tokens if started else 0
-    completion = finished.completion_tokens if isinstance(finished, Finished) else 0
+    completion = finished.completion_tokens if isinstance(finished, Finished) else generated
     if isinstance(finished, Finished):
         reason = finished.reason
     else:

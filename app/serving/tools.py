@@ -171,22 +171,28 @@ class ToolCallText:
             at = self.pending.find(self.end) if self.end else -1
             if at < 0:
                 return content, calls
-            calls += self._parse(self.pending[:at])
+            parsed = self._parse(self.pending[:at])
+            if parsed is None:  # not a call after all: the client sees what the model wrote
+                content += self.start + self.pending[: at + len(self.end)]
+            calls += parsed or []
             self.pending, self.inside = self.pending[at + len(self.end) :], False
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the reply: an unclosed call is parsed if it can be (some
-        templates end a call at the end token), else dropped."""
+        templates end a call at the end token), else given back as the text it is."""
         rest, self.pending = self.pending, ""
-        if self.inside:  # cut off by max_tokens or a stop string: never markup as content
-            return "", self._parse(rest)
+        if self.inside:
+            parsed = self._parse(rest)
+            return ("", parsed) if parsed is not None else (self.start + rest, [])
         return rest, []
 
-    def _parse(self, text: str) -> list[ToolCall]:
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        """The calls in one call's markup; None if it is none (a model's slip, or markup
+        quoted in its prose), which then stays text: dropping it left replies empty."""
         try:
             parsed = self.parser(text, self.tools)
-        except Exception:  # the model's markup did not parse: no call
-            return []
+        except Exception:
+            return None
         items = parsed if isinstance(parsed, list) else [parsed]
         calls = []
         for item in items:
@@ -200,4 +206,4 @@ class ToolCallText:
                     continue
             if isinstance(arguments, dict):  # a call whose arguments are no object is none
                 calls.append(tool_call(item["name"], arguments))
-        return calls
+        return calls or None

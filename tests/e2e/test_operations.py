@@ -78,6 +78,22 @@ def test_one_structured_log_line_per_request(server, caplog):
     assert line["finish_reason"] in ("stop", "length") and line["total_ms"] >= line["ttft_ms"] > 0
 
 
+def test_a_stream_cut_by_its_client_is_logged_with_the_tokens_it_cost(server, caplog):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 2000, "stream": True, **NO_END}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mlx_cache_server.requests"):
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 30:
+                    break  # the client leaves mid-stream
+        wait_until(lambda: any("disconnected" in rec.getMessage() for rec in caplog.records))
+    (line,) = [json.loads(rec.getMessage()) for rec in caplog.records
+               if '"disconnected"' in rec.getMessage()]  # fmt: skip
+    assert 29 <= line["completion_tokens"] < 2000
+
+
 @pytest.fixture(scope="module")
 def keyed(tiny_model_dir):
     with serving(

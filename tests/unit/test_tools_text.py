@@ -47,10 +47,18 @@ def test_text_that_only_looks_like_a_marker_is_content():
     assert run(["a <tool", "_cal", "x> b"]) == ("a <tool_calx> b", [])
 
 
-def test_an_unclosed_call_is_parsed_at_the_end_or_dropped():
+def test_an_unclosed_call_is_parsed_at_the_end_or_given_back_as_text():
     content, calls = run(['<tool_call>{"name": "f", "arguments": {"a": 1}}'])
     assert content == "" and calls[0].function.name == "f"
-    assert run(["<tool_call>not json"]) == ("", [])  # cut off: dropped, never shown as text
+    assert run(["<tool_call>not json"]) == ("<tool_call>not json", [])
+
+
+def test_markup_that_is_no_call_is_content_not_dropped():
+    bad = 'Sure. <tool_call>{"name": "f", "arguments": {oops}}</tool_call> Done.'
+    for size in (1, 3, len(bad)):
+        assert run([bad[i : i + size] for i in range(0, len(bad), size)]) == (bad, [])
+    nameless = '<tool_call>{"arguments": {}}</tool_call>'
+    assert run([nameless]) == (nameless, [])
 
 
 def test_a_forced_reply_is_one_call_unless_it_was_cut_off():
@@ -117,3 +125,7 @@ def test_a_forced_call_streams_its_name_first_then_argument_fragments():
     assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
     arguments = "".join(d.function.arguments for d in deltas)
     assert json.loads(arguments) == {"city": "Paris", "days": 3} and len(deltas) > 3
+    # Its head and first fragment in one piece: one entry for index 0, not two.
+    whole = Reply(ENGINE, SimpleNamespace(tools=[]), ToolPlan("forced", [])).feed(text)[1]
+    assert [d.index for d in whole] == [0] and whole[0].function.name == "get_weather"
+    assert whole[0].function.arguments == '{"city": "Paris", "days": 3}'
