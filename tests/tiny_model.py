@@ -134,3 +134,42 @@ def build_tiny_model(
         )
     )
     return path
+
+
+def build_agent_model(tokenizer_dir: Path, path: Path, reply: str = "Hello there!",
+                      context: int = 32768) -> Path:  # fmt: skip
+    """A tiny model under `tokenizer_dir`'s tokenizer and template that answers any chat with
+    `reply` and its end token, for real agent clients that need a turn to end.
+
+    Its embeddings are scaled far above what each layer adds (every layer's input is
+    normalized), so the last hidden state is the current token's embedding, nearly: the
+    model is a bigram table, and `lm_head` rows written from the embeddings chain the
+    generation prompt's last token to the reply's tokens, then to the end token.
+    """
+    from transformers import AutoTokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    mx.random.seed(0)
+    config = {**CONFIG, "vocab_size": vocab, "max_position_embeddings": context}
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    embed = weights["model.embed_tokens.weight"] * 100
+    head = weights["lm_head.weight"]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    chain = [prompt[-1], *tokenizer.encode(reply, add_special_tokens=False)]
+    chain.append(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+    assert len(set(chain)) == len(chain), "each token of the chain must be a new one"
+    for prev, nxt in zip(chain[:-1], chain[1:], strict=True):
+        unit = embed[prev] / mx.sqrt(mx.mean(embed[prev] ** 2))
+        head[nxt] = unit * 4  # a logit of 4 * hidden_size: far above any other row's
+    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -31,7 +31,8 @@ PREFIX = START + "\n"  # what a forced call's prompt ends with
 
 
 def tools_section(tools: list[dict[str, Any]]) -> str:
-    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    # Compact: an agent's tools are thousands of tokens, and a small model's context is short.
+    listed = "\n".join(json.dumps(t, ensure_ascii=False, separators=(",", ":")) for t in tools)
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -43,9 +44,9 @@ def tools_section(tools: list[dict[str, Any]]) -> str:
 
 def lazy_grammar(tools: list[dict[str, Any]]) -> str:
     """Free text with any number of calls of `tools` in it, each valid."""
-    schema = {**tool_call_schema(tools), "x-guidance": COMPACT}
+    schema = {**tool_call_schema(tools), "x-guidance": {**COMPACT, "lenient": True}}
     tag = StructTag(trigger=START, begin=PREFIX, grammar=schema, end="\n" + END)
-    return checked(StructTag.to_grammar([tag], assume_special=False), "tools")
+    return checked(StructTag.to_grammar([tag], assume_special=False), "tools", strict=False)
 
 
 def markup(calls: list[dict[str, Any]]) -> str:

@@ -22,22 +22,29 @@ TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 
 def json_grammar(schema: dict[str, Any], param: str, options: dict = COMPACT) -> str:
-    """A grammar for JSON that validates against `schema`, or a 400 naming what is wrong."""
+    """A grammar for JSON that validates against `schema`, or a 400 naming what is wrong.
+
+    With `"lenient": True` in `options` (tools' schemas), keywords the engine
+    cannot enforce are left unenforced rather than refused."""
     check_schema(schema, param)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"Invalid JSON schema in '{param}': {e}", param=param) from e
-    return checked(grammar, param)
+    return checked(grammar, param, strict=not options.get("lenient"))
 
 
-def checked(grammar: str, param: str) -> str:
+def checked(grammar: str, param: str, strict: bool = True) -> str:
+    """`grammar`, or a 400 saying what of it cannot be enforced (its warnings too, if
+    `strict`)."""
     validate = llguidance.LLMatcher.validate_grammar_with_warnings
     error, messages = on_deep_stack(validate, grammar, None)
-    if error or messages:
+    if error or (messages and strict):
+        # The compiler quotes the grammar around an error: the first line says what it is.
+        said = "; ".join(m.strip().splitlines()[0][:300] for m in messages if m.strip())
         raise APIError(
             400,
-            f"'{param}' uses what this server cannot enforce: {'; '.join(messages)}.",
+            f"'{param}' uses what this server cannot enforce: {said}.",
             param=param,
             code="unsupported_schema",
         )
@@ -132,6 +139,8 @@ def forced_call_grammar(tools: list[dict[str, Any]], options: dict = COMPACT) ->
     Compact, it holds for any model, also one whose template knows no tools; for
     a template whose calls are this JSON between markers (hermes-style), the
     server writes the opening marker into the prompt and `options` follow the
-    template's own JSON, so the call re-renders as the tokens generated.
+    template's own JSON, so the call re-renders as the tokens generated. An
+    agent's tools carry keywords the engine cannot enforce (`propertyNames`, say):
+    those are left unenforced, the call still comes out.
     """
-    return json_grammar(tool_call_schema(tools), "tools", options)
+    return json_grammar(tool_call_schema(tools), "tools", {**options, "lenient": True})
