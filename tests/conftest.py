@@ -90,3 +90,61 @@ def tools_uncached(tiny_tools_model_dir: Path):
 
     with serving(str(tiny_tools_model_dir), served_model_name="tiny", no_cache=True) as live:
         yield live
+
+
+def _agent_server(folder: Path, chat_template: str | None):
+    """A server process on `build_agent_model`: the default model's tokenizer, answering
+    every chat with "Hello there!"; its log (request lines) in a file."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from app.models.default_model import default_model_dir
+    from tests.live import free_port
+    from tests.tiny_model import build_agent_model
+
+    model = build_agent_model(Path(default_model_dir()), folder / "model",
+                              chat_template=chat_template)  # fmt: skip
+    port, log = free_port(), folder / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port),
+             "--served-model-name", "tiny"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.3)
+        assert time.monotonic() < deadline
+    return proc, url, log
+
+
+@pytest.fixture(scope="session")
+def agent_server(tmp_path_factory: pytest.TempPathFactory):
+    proc, url, log = _agent_server(tmp_path_factory.mktemp("agent"), None)
+    try:
+        yield url, log
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def agent_tools_server(tmp_path_factory: pytest.TempPathFactory):
+    """The same with a chat template that knows tools (hermes-style)."""
+    from tests.tiny_model import TOOLS_CHATML
+
+    proc, url, log = _agent_server(tmp_path_factory.mktemp("agent-tools"), TOOLS_CHATML)
+    try:
+        yield url, log
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -137,9 +137,10 @@ def build_tiny_model(
 
 
 def build_agent_model(tokenizer_dir: Path, path: Path, reply: str = "Hello there!",
-                      context: int = 32768) -> Path:  # fmt: skip
+                      context: int = 32768, chat_template: str | None = None) -> Path:  # fmt: skip
     """A tiny model under `tokenizer_dir`'s tokenizer and template that answers any chat with
     `reply` and its end token, for real agent clients that need a turn to end.
+    `chat_template` replaces the tokenizer's own (TOOLS_CHATML, for one that knows tools).
 
     Its embeddings are scaled far above what each layer adds (every layer's input is
     normalized), so the last hidden state is the current token's embedding, nearly: the
@@ -152,6 +153,10 @@ def build_agent_model(tokenizer_dir: Path, path: Path, reply: str = "Hello there
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_dir / name).exists():
             (path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    if chat_template is not None:
+        settings = json.loads((path / "tokenizer_config.json").read_text())
+        settings["chat_template"] = chat_template
+        (path / "tokenizer_config.json").write_text(json.dumps(settings))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     mx.random.seed(0)

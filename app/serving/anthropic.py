@@ -128,10 +128,24 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         "stop": req.stop_sequences,
         "tools": tools or None,
         "tool_choice": _tool_choice(req.tool_choice) if tools else None,
+        "response_format": _format(req),
     }
     if not messages:
         raise APIError(400, "The messages have no content.", param="messages")
     return chat_request(chat)
+
+
+def _format(req: MessagesRequest) -> dict[str, Any] | None:
+    """Structured output (`output_config.format`, as Claude Code asks for its titles) as
+    chat's response_format."""
+    config = (req.model_extra or {}).get("output_config")
+    spec = config.get("format") if isinstance(config, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    if spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
+        raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": '
+                       "{...}}.", param="output_config.format")  # fmt: skip
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
 
 
 def _tools(tools: list[dict[str, Any]], loaded: set[str]) -> list[dict[str, Any]]:
