@@ -141,6 +141,8 @@ class DiskTier:
             self._db_open = True
             self._restore()
         except (OSError, sqlite3.Error) as e:
+            if getattr(self, "_db", None) is not None:
+                self._db.close()
             self._lockfile.close()
             raise DiskTierUnavailable(f"cannot use {self.folder}: {e}") from e
         self._jobs: queue.Queue[tuple | None] = queue.Queue()

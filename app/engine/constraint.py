@@ -101,8 +101,14 @@ class GrammarProcessor:
         self.grammar = grammar  # what a sharded server's other ranks build theirs from
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
-            raise ValueError(self.matcher.get_error())
+            raise ValueError(_said(self.matcher.get_error()))
         self.bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
+        # The first mask, once here: a grammar past the parser's limits (an anyOf of
+        # hundreds of wide objects, say) fails on it, a 400 then instead of a failed
+        # generation. The matcher's state is unchanged; the first step computes it again.
+        fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        if self.matcher.is_error():
+            raise ValueError(_said(self.matcher.get_error()))
         self.seen: int | None = None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
@@ -111,17 +117,23 @@ class GrammarProcessor:
             for token in tokens[self.seen : n].tolist():
                 if not self.matcher.consume_token(token):
                     raise ValueError(
-                        f"the grammar refused token {token}: {self.matcher.get_error()}"
+                        f"the grammar refused token {token}: {_said(self.matcher.get_error())}"
                     )
         self.seen = n
         fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         if self.matcher.is_error():  # a limit hit, say: fail the request, never a silent EOS
-            raise ValueError(f"the grammar failed: {self.matcher.get_error()}")
+            raise ValueError(f"the grammar failed: {_said(self.matcher.get_error())}")
         bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little").astype(np.bool_)
         width = logits.shape[-1]
         allowed = np.zeros(width, np.bool_)  # ids past the tokenizer's (padding) stay out
         allowed[: min(width, bits.size)] = bits[:width]
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def _said(error: str) -> str:
+    """An llguidance error's first line: the rest quotes the parser state and the whole
+    grammar, which can be megabytes in a log line or an error body."""
+    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"
 
 
 def build_constraint(grammars: GrammarTokenizer, grammar: str) -> GrammarProcessor:

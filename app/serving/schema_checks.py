@@ -13,7 +13,13 @@ only refers to itself, an object that requires a property of its own type),
 which would otherwise pass the compiler and fail at the first sampled tokens.
 
 Invariants:
-- No function here recurses; every walk is bounded by `MAX_NODES`.
+- No function here recurses. Every walk visits at most `MAX_NODES` subschemas
+  (objects and booleans, `$ref` targets wherever they lie included) besides the
+  document's JSON, whose nesting `MAX_NESTING` bounds; the fixpoint takes at most
+  `MAX_PASSES` passes over them.
+- Every local `$ref` ("#...": a JSON pointer, percent-encoded or not, or an
+  `$anchor`) is resolved here or refused: what the compiler follows, the
+  measures followed too.
 - `check_schema` raises only `APIError(400)`; a schema it lets through may
   still be refused by the compiler (its own limits, its unsupported keywords).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 from .errors import APIError
 
@@ -29,7 +36,8 @@ from .errors import APIError
 # construct takes to overflow a default 8 MiB stack; these stay far below the least of them.
 MAX_DEPTH = 128  # schema levels along any path, `$ref`s followed
 MAX_NESTING = 120  # JSON levels of the document: llguidance reads at most 128, its wrapper takes 5
-MAX_NODES = 10_000  # schema objects in the document
+MAX_NODES = 10_000  # subschemas (objects and booleans) in the document
+MAX_PASSES = 64  # of the finite-value fixpoint; one unsettled by then is left to the compiler
 
 # Keywords whose value is one schema, a list of schemas, or a name -> schema mapping.
 ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
@@ -45,9 +53,8 @@ def check_schema(schema: Any, param: str) -> None:
     if not isinstance(schema, dict | bool):
         raise APIError(400, f"'{param}' must be a JSON schema (an object).", param=param)
     _check_nesting(schema, param)
-    nodes = _nodes(schema, param)
-    refs = _refs(schema, nodes)
-    depth = _depth(schema, refs)
+    graph = _graph(schema, param)
+    depth, order = _depth(schema, graph)
     if depth > MAX_DEPTH:
         raise APIError(
             400,
@@ -56,12 +63,13 @@ def check_schema(schema: Any, param: str) -> None:
             param=param,
             code="schema_too_deep",
         )
-    if not _finite(schema, nodes, refs):
+    if not _finite(schema, graph, order):
         raise APIError(
             400,
-            f"The JSON schema in '{param}' admits no finite value: its $ref recursion "
-            "never ends (a definition that only refers to itself, or a required property "
-            "of its own type). Make the recursive part optional or give it a base case.",
+            f"The JSON schema in '{param}' admits no finite value: nothing satisfies a part "
+            "it requires, or its $ref recursion never ends (a definition that only refers to "
+            "itself, or a required property of its own type). Make the recursive part "
+            "optional or give it a base case.",
             param=param,
             code="schema_unsatisfiable",
         )
@@ -84,6 +92,19 @@ def _check_nesting(doc: Any, param: str) -> None:
             stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
 
 
+def walk_schema(schema: Any) -> Iterator[dict]:
+    """Every schema object of the document reached through schema keywords (not `$ref`),
+    each once."""
+    seen: set[int] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict) and id(node) not in seen:
+            seen.add(id(node))
+            yield node
+            stack.extend(_subschemas(node))
+
+
 def _subschemas(node: Any) -> Iterator[Any]:
     if not isinstance(node, dict):
         return
@@ -98,16 +119,51 @@ def _subschemas(node: Any) -> Iterator[Any]:
             yield from (s for s in node[key].values() if isinstance(s, dict | bool))
 
 
-def _nodes(schema: Any, param: str) -> dict[int, Any]:
-    """Every schema object in the document by id, or a 400 past `MAX_NODES`."""
-    seen: dict[int, Any] = {}
-    stack = [schema]
+class _Graph:
+    """The document's schema objects by id, and each one's `$ref` target (a schema object
+    or a boolean)."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, dict] = {}
+        self.refs: dict[int, Any] = {}
+
+    def edges(self, node: Any) -> list[Any]:
+        out = list(_subschemas(node))
+        if id(node) in self.refs:
+            out.append(self.refs[id(node)])
+        return out
+
+
+def _graph(schema: Any, param: str) -> _Graph:
+    """Every subschema reachable from the root, `$ref`s followed wherever they point, or a
+    400 past `MAX_NODES` or for a local `$ref` that resolves to no schema."""
+    anchors = _anchors(schema)
+    graph, count = _Graph(), 0
+    stack, seen_bools = [schema], 0
     while stack:
         node = stack.pop()
-        if id(node) in seen or not isinstance(node, dict):
+        if isinstance(node, bool):
+            seen_bools += 1
+        elif isinstance(node, dict) and id(node) not in graph.nodes:
+            graph.nodes[id(node)] = node
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                target = _target(schema, ref, anchors)
+                if not isinstance(target, dict | bool):
+                    raise APIError(
+                        400,
+                        f"The JSON schema in '{param}' has a $ref that points at no schema: "
+                        f"{ref[:100]!r}.",
+                        param=param,
+                        code="unsupported_schema",
+                    )
+                graph.refs[id(node)] = target
+                stack.append(target)
+            stack.extend(_subschemas(node))
+        else:
             continue
-        seen[id(node)] = node
-        if len(seen) > MAX_NODES:
+        count = len(graph.nodes) + seen_bools
+        if count > MAX_NODES:
             raise APIError(
                 400,
                 f"The JSON schema in '{param}' has more than {MAX_NODES} subschemas, "
@@ -115,121 +171,155 @@ def _nodes(schema: Any, param: str) -> dict[int, Any]:
                 param=param,
                 code="schema_too_large",
             )
-        stack.extend(_subschemas(node))
-    return seen
+    return graph
 
 
-def _target(root: Any, ref: Any) -> Any:
-    """What a local `$ref` ("#", "#/$defs/a", any JSON pointer) points at; None if it is
-    not local or points nowhere (the compiler reports those)."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
+def _anchors(doc: Any) -> dict[str, Any]:
+    """`$anchor` names anywhere in the document (a "#name" reference points at one)."""
+    found: dict[str, Any] = {}
+    stack = [doc]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if isinstance(value.get("$anchor"), str):
+                found.setdefault(value["$anchor"], value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return found
+
+
+def _target(root: Any, ref: str, anchors: dict[str, Any]) -> Any:
+    """What a local `$ref` points at: a JSON pointer ("#", "#/$defs/a", percent-encoded or
+    not) or an anchor ("#name"); None if nothing."""
+    fragment = unquote(ref[1:])
+    if fragment and not fragment.startswith("/"):
+        return anchors.get(fragment)
     node = root
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+    for part in fragment.split("/")[1:]:
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and len(part) < 10:
+            node = node[int(part)] if int(part) < len(node) else None
         else:
             return None
     return node
 
 
-def _refs(schema: Any, nodes: dict[int, Any]) -> dict[int, Any]:
-    """Each schema's `$ref` target, where that is a schema of the document."""
-    refs = {}
-    for node in nodes.values():
-        target = _target(schema, node.get("$ref"))
-        if id(target) in nodes or isinstance(target, bool):
-            refs[id(node)] = target
-    return refs
-
-
-def _edges(node: Any, refs: dict[int, Any]) -> list[Any]:
-    out = list(_subschemas(node))
-    target = refs.get(id(node))
-    if isinstance(target, dict):
-        out.append(target)
-    return out
-
-
-def _depth(schema: Any, refs: dict[int, Any]) -> int:
-    """The most schema levels along a path from the root, `$ref`s followed; a `$ref` back
-    onto the path (recursion) adds nothing, as the compiler does not unroll it."""
+def _depth(schema: Any, graph: _Graph) -> tuple[int, list[int]]:
+    """The most schema levels along a path from the root, `$ref`s followed (a `$ref` back
+    onto the path, recursion, adds nothing: the compiler does not unroll it); and the
+    schema objects in the order their walk finished, each after what it leads to."""
     depth: dict[int, int] = {}
-    on_path: set[int] = set()
-    stack: list[tuple[Any, Iterator[Any]]] = [(schema, iter(_edges(schema, refs)))]
-    on_path.add(id(schema))
+    order: list[int] = []
+    on_path: set[int] = {id(schema)}
+    stack: list[tuple[Any, Iterator[Any]]] = [(schema, iter(graph.edges(schema)))]
     while stack:
         node, children = stack[-1]
         child = next(children, None)
         if child is None:
             stack.pop()
             on_path.discard(id(node))
-            below = [depth.get(id(c), 0) for c in _edges(node, refs) if id(c) not in on_path]
+            below = [depth.get(id(c), 0) for c in graph.edges(node) if id(c) not in on_path]
             depth[id(node)] = 1 + max(below, default=0)
+            order.append(id(node))
             continue
         if id(child) in depth or id(child) in on_path or not isinstance(child, dict):
             continue
         on_path.add(id(child))
-        stack.append((child, iter(_edges(child, refs))))
-    return depth.get(id(schema), 1)
+        stack.append((child, iter(graph.edges(child))))
+    return depth.get(id(schema), 1), order
 
 
-def _finite(schema: Any, nodes: dict[int, Any], refs: dict[int, Any]) -> bool:
+FALSE = -1  # a dependency nothing satisfies (the `false` schema)
+
+
+def _finite(schema: Any, graph: _Graph, order: list[int]) -> bool:
     """Whether the root admits a finite JSON value: the least fixpoint of "admits one",
-    found by propagating from the schemas that admit one outright."""
+    by passes over the schemas in walk order (each after what it leads to), from rules
+    computed once. Not settled within `MAX_PASSES`: left to the compiler (True)."""
+    if not isinstance(schema, dict):
+        return schema is not False
+    rules = {nid: _rule(graph.nodes[nid], graph) for nid in order}
     ok: set[int] = set()
-    users: dict[int, list[Any]] = {}
-    for node in nodes.values():
-        for dep in _edges(node, refs):
-            users.setdefault(id(dep), []).append(node)
-    work = [node for node in nodes.values() if _admits(node, ok, refs)]
-    while work:
-        node = work.pop()
-        if id(node) in ok:
-            continue
-        ok.add(id(node))
-        work.extend(u for u in users.get(id(node), ()) if id(u) not in ok and _admits(u, ok, refs))
-    return id(schema) in ok if isinstance(schema, dict) else schema is not False
+    for _ in range(MAX_PASSES):
+        grew = False
+        for nid in order:
+            if nid not in ok and _holds(rules[nid], ok):
+                ok.add(nid)
+                grew = True
+        if id(schema) in ok or not grew:
+            return id(schema) in ok
+    return True
 
 
-def _admits(node: Any, ok: set[int], refs: dict[int, Any]) -> bool:
-    """Whether `node` admits a finite value, given the schemas `ok` already known to."""
+def _dep(s: Any) -> int | None:
+    """A subschema as a dependency: its id, None if it always holds, FALSE if never."""
+    if s is True:
+        return None
+    return FALSE if s is False else id(s)
 
-    def good(s: Any) -> bool:
-        return s is True or (isinstance(s, dict) and id(s) in ok)
 
-    if not isinstance(node, dict):
-        return node is not False
-    target = refs.get(id(node))
-    if id(node) in refs and not good(target):
-        return False
-    if isinstance(node.get("allOf"), list) and not all(map(good, node["allOf"])):
-        return False
+def _deps(schemas: Any) -> list[int]:
+    return [d for d in map(_dep, schemas) if d is not None]
+
+
+def _rule(node: dict, graph: _Graph) -> tuple:
+    """What `node` needs in order to admit a finite value: (schemas all needed, groups of
+    which one each is needed, alternatives of which one is needed, each a list of schemas
+    all needed; None: no alternative is required)."""
+    need = _deps([graph.refs[id(node)]] if id(node) in graph.refs else [])
+    if isinstance(node.get("allOf"), list):
+        need += _deps(s for s in node["allOf"] if isinstance(s, dict | bool))
+    groups = []
     for key in ("anyOf", "oneOf"):
-        if isinstance(node.get(key), list) and not any(map(good, node[key])):
-            return False
+        members = [s for s in node.get(key) or [] if isinstance(s, dict | bool)]
+        if isinstance(node.get(key), list) and True not in members:  # `true` holds at once
+            groups.append(_deps(members) or [FALSE])
     if "const" in node or "enum" in node:
-        return True
+        return need, groups, None
     types = node.get("type")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
-    if types is None or types & SCALARS:
-        return True
-    if "object" in types:
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        if all(good(props[name]) for name in required if isinstance(name, str) and name in props):
-            return True
-    if "array" in types:
-        least = node.get("minItems", 0)
-        least = least if isinstance(least, int) else 0
-        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
-        items = node.get("items", True)
-        slots = [
-            prefix[i] if i < len(prefix) else items for i in range(min(least, len(prefix) + 1))
-        ]
-        if all(good(s) if isinstance(s, dict | bool) else True for s in slots):
-            return True
-    return False
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+    if types is None:
+        return need, groups, None
+    kinds = {t for t in types if isinstance(t, str)}
+    if not kinds:  # no type named: the compiler judges
+        return need, groups, None
+    alternatives = [[]] if kinds & SCALARS else []
+    if "object" in kinds:
+        alternatives.append(_object_needs(node))
+    if "array" in kinds:
+        alternatives.append(_array_needs(node))
+    return need, groups, alternatives
+
+
+def _object_needs(node: dict) -> list[int]:
+    """The schemas of an object's required properties, its `allOf` members' requirements
+    on its own properties included (a `required` beside the `properties` it names)."""
+    parts = [node, *(s for s in node.get("allOf") or [] if isinstance(s, dict))]
+    props: dict[str, Any] = {}
+    required: set[str] = set()
+    for part in parts:
+        if isinstance(part.get("properties"), dict):
+            props.update(part["properties"])
+        if isinstance(part.get("required"), list):
+            required.update(name for name in part["required"] if isinstance(name, str))
+    return _deps(props[name] for name in required if isinstance(props.get(name), dict | bool))
+
+
+def _array_needs(node: dict) -> list[int]:
+    least = node.get("minItems", 0)
+    least = least if isinstance(least, int) and not isinstance(least, bool) else 0
+    prefix = [s for s in node.get("prefixItems") or [] if isinstance(s, dict | bool)]
+    items = node.get("items", True) if isinstance(node.get("items", True), dict | bool) else True
+    return _deps(prefix[:least] + ([items] if least > len(prefix) else []))
+
+
+def _holds(rule: tuple, ok: set[int]) -> bool:
+    need, groups, alternatives = rule
+    if not all(d in ok for d in need):
+        return False
+    if not all(any(d in ok for d in group) for group in groups):
+        return False
+    return alternatives is None or any(all(d in ok for d in alt) for alt in alternatives)

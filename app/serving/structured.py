@@ -14,7 +14,7 @@ import llguidance
 
 from ..engine.constraint import on_deep_stack
 from .errors import APIError
-from .schema_checks import check_schema
+from .schema_checks import MANY, NAMED, ONE, check_schema, walk_schema
 
 COMPACT = {"whitespace_flexible": False}
 # What chat templates' `tojson` writes (Python's json.dumps): a space after , and :.
@@ -106,30 +106,34 @@ def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     return {**schema, "$defs": defs} if defs else schema
 
 
-def _has_local_refs(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            if isinstance(v.get("$ref"), str) and v["$ref"].startswith("#"):
-                return True
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return False
+def _pointer(ref: Any) -> bool:
+    """Whether a `$ref` is a JSON pointer into its document ("#", "#/..."); an anchor
+    ("#name") names a schema wherever it is moved."""
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
 
 
-def _rerooted(value: Any, home: str) -> Any:
-    """A copy of `value` whose local `$ref`s ("#...") point into `home` instead of the
-    root. `value` has passed `check_schema`, so its nesting is bounded."""
-    if isinstance(value, list):
-        return [_rerooted(v, home) for v in value]
-    if not isinstance(value, dict):
-        return value
-    out = {k: _rerooted(v, home) for k, v in value.items()}
-    ref = value.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        out["$ref"] = home + ref[1:]
+def _has_local_refs(schema: Any) -> bool:
+    return any(_pointer(node.get("$ref")) for node in walk_schema(schema))
+
+
+def _rerooted(schema: Any, home: str) -> Any:
+    """A copy of `schema` whose pointers lead into `home` instead of the root; values
+    (`const`, `enum`, `default`) are left as they are, a "$ref" in them is data. `schema`
+    has passed `check_schema`, so its nesting is bounded."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if _pointer(schema.get("$ref")):
+        out["$ref"] = home + schema["$ref"][1:]
+    for key in ONE:
+        if isinstance(schema.get(key), dict):
+            out[key] = _rerooted(schema[key], home)
+    for key in MANY + ("items",):
+        if isinstance(schema.get(key), list):
+            out[key] = [_rerooted(s, home) for s in schema[key]]
+    for key in NAMED:
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: _rerooted(s, home) for name, s in schema[key].items()}
     return out
 
 

@@ -34,6 +34,18 @@ def ref_objects(n: int) -> dict:
     return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
+def hidden_chain(n: int) -> dict:
+    """A $ref chain through a list no schema keyword names: the compiler follows it all."""
+    links = [{"$ref": f"#/$defs/x/{i + 1}"} for i in range(n)] + [{"type": "string"}]
+    return {"$defs": {"x": links}, "$ref": "#/$defs/x/0"}
+
+
+def anchor_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$anchor": f"a{i}", "$ref": f"#a{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"$anchor": f"a{n}", "type": "string"}
+    return {"$defs": defs, "$ref": "#a0"}
+
+
 def nested(n: int, wrap) -> dict:
     schema: dict = {"type": "string"}
     for _ in range(n):
@@ -47,6 +59,11 @@ REFUSED = {
     "chain of 10,000 $refs": (chain(10_000), "schema_too_large"),
     "chain of 100,000 $refs": (chain(100_000), "schema_too_large"),
     "1,000 objects by $ref": (ref_objects(1_000), "schema_too_deep"),
+    "24,000 $refs through a list": (hidden_chain(24_000), "schema_too_large"),
+    "3,000 $refs by anchor": (anchor_chain(3_000), "schema_too_deep"),
+    "30,000 true properties": (
+        {"type": "object", "properties": {f"p{i}": True for i in range(30_000)}},
+        "schema_too_large"),
     "objects nested 200 deep": (
         nested(200, lambda s: {"type": "object", "properties": {"a": s}, "required": ["a"]}),
         "schema_too_deep",

@@ -202,3 +202,82 @@ def test_compilation_runs_on_a_stack_that_holds_far_past_the_bounds(where):
         assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr[-500:]
     else:
         assert run.returncode < 0  # killed by SIGSEGV
+
+
+def ref_chain(n: int, where: str = "x", quote: bool = False) -> dict:
+    """A chain of $refs through a keyword no schema uses: what the compiler follows anyway."""
+    key = "%24defs" if quote else "$defs"
+    if where == "anchors":
+        defs = {f"d{i}": {"$anchor": f"a{i}", "$ref": f"#a{i + 1}"} for i in range(n)}
+        defs[f"d{n}"] = {"$anchor": f"a{n}", "type": "string"}
+        return {"$defs": defs, "$ref": "#a0"}
+    if where == "$defs":
+        defs = {f"d{i}": {"$ref": f"#/{key}/d{i + 1}"} for i in range(n)}
+        defs[f"d{n}"] = {"type": "string"}
+        return {"$defs": defs, "$ref": f"#/{key}/d0"}
+    return {"x": [{"$ref": f"#/x/{i + 1}"} for i in range(n)] + [{"type": "string"}],
+            "$ref": "#/x/0"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schema", "code"),
+    [
+        (ref_chain(24_000), "schema_too_large"),  # once SIGSEGV: the chain was not measured
+        (ref_chain(3_000, "$defs", quote=True), "schema_too_deep"),  # percent-encoded
+        (ref_chain(3_000, "anchors"), "schema_too_deep"),
+        ({"type": "object", "properties": {f"p{i}": True for i in range(30_000)}},
+         "schema_too_large"),  # once minutes of compiling
+        ({"$ref": "#/nowhere"}, "unsupported_schema"),
+        ({"$ref": "#nowhere"}, "unsupported_schema"),
+        ({"anyOf": [{"type": "string"}], "properties": {"a": {"$ref": "#/anyOf/²"}}},
+         "unsupported_schema"),  # once a 500: int("²")
+        ({"anyOf": [{}], "properties": {"a": {"$ref": "#/anyOf/" + "0" * 5000}}},
+         "unsupported_schema"),  # once a 500: past int()'s digits
+        ({"type": "object", "properties": {"n": {"$ref": "#"}}, "allOf": [{"required": ["n"]}]},
+         "schema_unsatisfiable"),  # once a 500 at the first token
+        ({"anyOf": []}, "schema_unsatisfiable"),
+    ],
+    ids=["chain outside keywords", "percent-encoded chain", "anchor chain", "30,000 true",
+         "pointer to nothing", "anchor to nothing", "superscript index", "5,000-digit index",
+         "required in allOf", "empty anyOf"],
+)  # fmt: skip
+def test_what_the_review_found_is_a_400(schema, code):
+    refused(schema, code)
+
+
+def test_the_checks_take_no_time_on_huge_required_lists():
+    import time
+
+    names = [f"p{i}" for i in range(3_000)]
+    schema = {"type": "object", "properties": {n: {"type": "string"} for n in names},
+              "required": [names[0]] * 500_000 + names}  # fmt: skip
+    t0 = time.perf_counter()
+    check_schema(schema, "response_format")
+    # Not a speed figure: a bound that a quadratic walk (minutes) cannot meet on any machine.
+    assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": [{}]},  # once a 500: unhashable
+        {"type": "object", "$defs": {"n": {"$anchor": "name", "type": "string"}},
+         "properties": {"p": {"$ref": "#name"}}, "required": ["p"]},
+        {"anyOf": [True, {"$ref": "#"}]},
+    ],
+    ids=["type list of objects", "an anchor", "anyOf with true"],
+)  # fmt: skip
+def test_schemas_the_review_found_refused_wrongly_are_let_through(schema):
+    check_schema(schema, "response_format")
+
+
+def test_a_tools_anchors_and_data_keep_their_meaning_in_the_call_schema():
+    params = {"type": "object", "$defs": {"n": {"$anchor": "name", "type": "string"}},
+              "properties": {"p": {"$ref": "#name"},
+                             "kind": {"enum": [{"$ref": "#/components/User"}]},
+                             "q": {"$ref": "#/$defs/n"}}}  # fmt: skip
+    schema = tool_call_schema([function("f", params)])
+    moved = schema["$defs"]["tool0"]["properties"]
+    assert moved["p"]["$ref"] == "#name" and moved["q"]["$ref"] == "#/$defs/tool0/$defs/n"
+    assert moved["kind"]["enum"] == [{"$ref": "#/components/User"}]  # data, not a pointer
+    assert forced_call_grammar([function("f", params)])
