@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -92,49 +94,29 @@ def tools_uncached(tiny_tools_model_dir: Path):
         yield live
 
 
-def _agent_server(folder: Path, chat_template: str | None):
-    """A server process on `build_agent_model`: the default model's tokenizer, answering
-    every chat with "Hello there!"; its log (request lines) in a file."""
-    import subprocess
-    import sys
-    import time
-
-    import httpx
-
+@contextmanager
+def _agent_serving(folder: Path, chat_template: str | None) -> Iterator[tuple[str, Path]]:
+    """A server process on `build_agent_model` (the default model's tokenizer, answering
+    every chat with "Hello there!"): its URL, and its log file (request lines)."""
     from app.models.default_model import default_model_dir
-    from tests.live import free_port
+    from tests.live import start_server
     from tests.tiny_model import build_agent_model
 
     model = build_agent_model(Path(default_model_dir()), folder / "model",
                               chat_template=chat_template)  # fmt: skip
-    port, log = free_port(), folder / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--model", str(model), "--port", str(port),
-             "--served-model-name", "tiny"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.3)
-        assert time.monotonic() < deadline
-    return proc, url, log
-
-
-@pytest.fixture(scope="session")
-def agent_server(tmp_path_factory: pytest.TempPathFactory):
-    proc, url, log = _agent_server(tmp_path_factory.mktemp("agent"), None)
+    log = folder / "server.log"
+    proc, url = start_server(model, log=log)
     try:
         yield url, log
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def agent_server(tmp_path_factory: pytest.TempPathFactory):
+    with _agent_serving(tmp_path_factory.mktemp("agent"), None) as served:
+        yield served
 
 
 @pytest.fixture(scope="session")
@@ -142,9 +124,5 @@ def agent_tools_server(tmp_path_factory: pytest.TempPathFactory):
     """The same with a chat template that knows tools (hermes-style)."""
     from tests.tiny_model import TOOLS_CHATML
 
-    proc, url, log = _agent_server(tmp_path_factory.mktemp("agent-tools"), TOOLS_CHATML)
-    try:
-        yield url, log
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with _agent_serving(tmp_path_factory.mktemp("agent-tools"), TOOLS_CHATML) as served:
+        yield served

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -102,18 +103,25 @@ def serving(model_dir: str, **settings) -> Iterator[LiveServer]:
         server.stop()
 
 
-def start_server(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`python -m app serve` on the model, as a user starts it; returns once it answers."""
+def start_server(model_dir, *flags: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m app serve` on the model, as a user starts it; returns once it answers.
+
+    Its output comes on `proc.stdout`, or with `log` goes to that file: a server that
+    logs much (one line per request) must not write to a pipe nobody reads, which fills
+    and stops it."""
     port = free_port()
+    out = log.open("w") if log is not None else subprocess.PIPE
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "serve", "--model", str(model_dir),
          "--port", str(port), "--served-model-name", "tiny", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+        stdout=out, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
     )  # fmt: skip
+    if log is not None:
+        out.close()  # the child holds its own copy
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while True:
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, log.read_text() if log is not None else proc.stdout.read()
         try:
             if httpx.get(url + "/health").status_code == 200:
                 return proc, url

@@ -131,8 +131,8 @@ SURFACES = [chat_format, chat_tool, responses_format, responses_tool, messages_t
 
 
 @pytest.fixture(scope="module")
-def own_server(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir)
+def own_server(tiny_model_dir, tmp_path_factory):
+    proc, url = start_server(tiny_model_dir, log=tmp_path_factory.mktemp("hostile") / "log")
     try:
         yield proc, url
     finally:
