@@ -5,9 +5,8 @@ A thin translator, as `anthropic` is: input items become a chat request
 constraints, engine, cache); the reply comes back as output items (`message`,
 `function_call`, `custom_tool_call`) with usage
 whose `input_tokens_details.cached_tokens` is what the cache served, or as the
-Responses stream events, each with its `sequence_number`. Nothing is stored:
-`previous_response_id` is a 400 asking for the whole input, which the cache
-makes nearly free to resend.
+Responses stream events, each with its `sequence_number`. Responses are stored
+(unless `store: false`) for `previous_response_id` (`response_store`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -25,6 +24,7 @@ from fastapi import Request
 from ..engine import Delta, Failed, Finished, Started
 from .chat import ChatCompletionsServing, Run
 from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
+from .response_store import ResponseStore
 from .responses_input import Offered, ResponsesRequest, to_chat
 from .schemas import FunctionCall, ToolCall, ToolCallDelta
 from .sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, EventStream
@@ -46,13 +46,26 @@ def failed_stream(req: ResponsesRequest, code: str, message: str) -> str:
 
 
 class ResponsesServing:
-    def __init__(self, chat: ChatCompletionsServing) -> None:
+    def __init__(self, chat: ChatCompletionsServing, store: ResponseStore | None = None) -> None:
         self.chat = chat
+        self.store = store if store is not None else ResponseStore()
 
     async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
-        chat, offered = await off_loop(to_chat, req)
+        given = (
+            [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+        )
+        conversation = list(given)
+        if req.previous_response_id is not None:
+            earlier = self.store.conversation(tenant, req.previous_response_id)
+            conversation = [*earlier, *given]
+        whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
+        chat, offered = await off_loop(to_chat, whole)
         run = await self.chat.start(chat, tenant, route=ROUTE)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
+        if req.store is not False:
+            response.on_done = lambda items: self.store.put(
+                tenant, response.id, [*conversation, *items]
+            )
         if req.stream:
             return EventStream(response.stream(run))
         result = await until_disconnected(request, collect(run.events))
@@ -65,6 +78,7 @@ class ResponsesServing:
         items += [_message(response.message_id, text or "", status)] if text else []
         items += [_call_item(call, offered, status) for call in calls]
         usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
+        response.on_done(items)
         return response.body(items, result.finish_reason, usage)
 
 
@@ -139,6 +153,7 @@ class _Response:
         self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
         self.sequence = 0
         self.arguments: dict[int, str] = {}  # custom calls' arguments so far, by output index
+        self.on_done: Callable[[list[dict[str, Any]]], None] = lambda items: None
 
     def body(self, items: list, finish: str | None, usage: dict | None, status: str = "") -> dict:
         status = status or ("incomplete" if finish == "length" else "completed")
@@ -160,7 +175,8 @@ class _Response:
             "tool_choice": self.req.tool_choice or "auto",
             "tools": self.req.tools or [],
             "text": self.req.text or {"format": {"type": "text"}},
-            "store": False,
+            "store": self.req.store is not False,
+            "previous_response_id": self.req.previous_response_id,
             "metadata": {},
         }
 
@@ -239,6 +255,7 @@ class _Response:
                         yield out
                     usage = _usage(run.prompt_tokens, cached, event.completion_tokens)
                     done = self.body(items, event.reason, usage)
+                    self.on_done(items)
                     yield self.event(f"response.{done['status']}", response=done)
                     return
 

@@ -82,13 +82,6 @@ class ResponsesRequest(TextRequest):
 def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Offered]]:
     """The same request in chat completions' terms, and the tools offered by the names the
     model calls them by; or a 400 naming what cannot be."""
-    if req.previous_response_id is not None:
-        raise APIError(
-            400,
-            "previous_response_id is not supported: this server stores no responses. Send the "
-            "whole conversation as input; its cache makes that nearly free.",
-            param="previous_response_id",
-        )
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})

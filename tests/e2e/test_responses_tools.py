@@ -131,3 +131,52 @@ def test_what_cannot_be_done_says_why(server, body, param, code):
     assert error["param"] == param and error["message"]
     if code:
         assert error["code"] == code
+
+
+def test_a_chain_of_responses_by_previous_response_id(server, oai):
+    first = oai.responses.create(model="tiny", input="Hi.", temperature=0, max_output_tokens=6)
+    second = oai.responses.create(
+        model="tiny", input="More.", previous_response_id=first.id, temperature=0,
+        max_output_tokens=6,
+    )  # fmt: skip
+    third = oai.responses.create(
+        model="tiny", input="Again.", previous_response_id=second.id, temperature=0,
+        max_output_tokens=6,
+    )  # fmt: skip
+    assert third.previous_response_id == second.id and third.store is True
+    # The same prompt as the whole conversation sent again: the stored turns came first.
+    whole = [
+        {"role": "user", "content": "Hi."},
+        *[o.model_dump(exclude_none=True) for o in first.output],
+        {"role": "user", "content": "More."},
+        *[o.model_dump(exclude_none=True) for o in second.output],
+        {"role": "user", "content": "Again."},
+    ]
+    again = oai.responses.create(model="tiny", input=whole, temperature=0, max_output_tokens=6)
+    assert again.usage.input_tokens == third.usage.input_tokens
+    assert again.output_text == third.output_text
+    # The previous turns were cached: all of the third's prompt but its own new input.
+    seen = second.usage.input_tokens + second.usage.output_tokens
+    assert third.usage.input_tokens_details.cached_tokens >= seen - 2
+    with pytest.raises(openai.NotFoundError) as e:  # unknown: say to send the whole input
+        oai.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
+    assert e.value.body["code"] == "previous_response_not_found"
+    unstored = oai.responses.create(model="tiny", input="Hi.", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="tiny", input="x", previous_response_id=unstored.id)
+
+
+def test_a_streamed_response_is_stored_too_and_tenants_see_only_their_own(tiny_model_dir):
+    from tests.live import serving
+
+    with serving(str(tiny_model_dir), served_model_name="tiny", api_keys=["a", "b"]) as live:
+        alice = openai.OpenAI(base_url=live.url + "/v1", api_key="a", max_retries=0)
+        bob = openai.OpenAI(base_url=live.url + "/v1", api_key="b", max_retries=0)
+        with alice.responses.stream(model="tiny", input="Hi.", max_output_tokens=4) as s:
+            done = list(s)[-1].response  # response.incomplete: cut at max_output_tokens
+        follow = alice.responses.create(
+            model="tiny", input="More.", previous_response_id=done.id, max_output_tokens=2
+        )
+        assert follow.usage.input_tokens > done.usage.input_tokens
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(model="tiny", input="x", previous_response_id=done.id)
