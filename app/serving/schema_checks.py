@@ -138,12 +138,12 @@ def _graph(schema: Any, param: str) -> _Graph:
     """Every subschema reachable from the root, `$ref`s followed wherever they point, or a
     400 past `MAX_NODES` or for a local `$ref` that resolves to no schema."""
     anchors = _anchors(schema)
-    graph, count = _Graph(), 0
-    stack, seen_bools = [schema], 0
+    graph, bools = _Graph(), 0
+    stack = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, bool):
-            seen_bools += 1
+            bools += 1
         elif isinstance(node, dict) and id(node) not in graph.nodes:
             graph.nodes[id(node)] = node
             ref = node.get("$ref")
@@ -162,8 +162,7 @@ def _graph(schema: Any, param: str) -> _Graph:
             stack.extend(_subschemas(node))
         else:
             continue
-        count = len(graph.nodes) + seen_bools
-        if count > MAX_NODES:
+        if len(graph.nodes) + bools > MAX_NODES:
             raise APIError(
                 400,
                 f"The JSON schema in '{param}' has more than {MAX_NODES} subschemas, "
