@@ -103,9 +103,9 @@ class GrammarProcessor:
         if self.matcher.is_error():
             raise ValueError(_said(self.matcher.get_error()))
         self.bitmask = allocate_token_bitmask(1, tokenizer.vocab_size)
-        # The first mask, once here: a grammar past the parser's limits (an anyOf of
-        # hundreds of wide objects, say) fails on it, a 400 then instead of a failed
-        # generation. The matcher's state is unchanged; the first step computes it again.
+        # The first mask, here: a grammar past the parser's limits (an anyOf of hundreds
+        # of wide objects, say) fails on it, a 400 then instead of a failed generation.
+        # The first step uses it as it is.
         fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         if self.matcher.is_error():
             raise ValueError(_said(self.matcher.get_error()))
@@ -113,16 +113,16 @@ class GrammarProcessor:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         n = tokens.shape[-1]
-        if self.seen is not None:
+        if self.seen is not None:  # the first step's mask was filled when it was built
             for token in tokens[self.seen : n].tolist():
                 if not self.matcher.consume_token(token):
                     raise ValueError(
                         f"the grammar refused token {token}: {_said(self.matcher.get_error())}"
                     )
+            fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+            if self.matcher.is_error():  # a limit hit, say: fail the request, no silent EOS
+                raise ValueError(f"the grammar failed: {_said(self.matcher.get_error())}")
         self.seen = n
-        fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        if self.matcher.is_error():  # a limit hit, say: fail the request, never a silent EOS
-            raise ValueError(f"the grammar failed: {_said(self.matcher.get_error())}")
         bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little").astype(np.bool_)
         width = logits.shape[-1]
         allowed = np.zeros(width, np.bool_)  # ids past the tokenizer's (padding) stay out

@@ -129,17 +129,19 @@ class ChatCompletionsServing(Surface):
                 defaults=self.defaults,
                 prompt_param="messages",
             )
+            # A grammar that shapes the whole reply; `auto`'s lazy one leaves text free.
+            shaped = grammar is not None and not tools.lazy
             if grammar is not None:
                 params.constraint = await off_loop(_constraint, engine, grammar)
-                if grammar is not tools.grammar or tools.mode != "auto":
-                    params.stop = []  # a stop string would cut what the grammar makes whole
+            if shaped:
+                params.stop = []  # a stop string would cut what the grammar makes whole
         except BaseException:
             slot.release()
             raise
         cid = new_id("chatcmpl")
         ctx = RequestContext(cid, route, req.model, tenant)
         events = tracked(engine, tokens, params, ctx, settings.request_timeout, self.metrics, slot)
-        reply = Reply(engine, req, tools, _thinking(engine, tokens, tools, grammar))
+        reply = Reply(engine, req, tools, _thinking(engine, tokens, tools, shaped))
         return Run(cid, now(), events, reply, want_logprobs, len(tokens))
 
 
@@ -167,12 +169,11 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
 
 
 def _thinking(
-    engine: Engine, tokens: list[int], tools: ToolPlan, grammar: str | None
+    engine: Engine, tokens: list[int], tools: ToolPlan, shaped: bool
 ) -> ReasoningSplit | None:
     """A splitter for a reasoning model's thinking; None where there can be none (a model
     without thinking tags, or a reply a grammar shapes)."""
     tags = think_tags(engine.tokenizer)
-    shaped = grammar is not None and not (tools.mode == "auto" and grammar is tools.grammar)
     if tags is None or shaped or tools.mode == "forced":
         return None
     # The generation prompt is the end of the prompt: a block it opens ends it.

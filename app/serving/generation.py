@@ -141,7 +141,7 @@ async def tracked(
                 started = event
             elif isinstance(event, Delta):
                 first = time.perf_counter() if first is None else first
-                generated = max(generated, event.generated)
+                generated = event.generated
             elif isinstance(event, Failed):
                 # The id in the message is the one in the log's line for this request.
                 event = Failed(f"{event.message} (request id {ctx.id})", event.reason)

@@ -25,7 +25,7 @@ from ..engine import Delta, Failed, Finished, Started
 from .chat import ChatCompletionsServing, Run
 from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
 from .response_store import ResponseStore
-from .responses_input import Offered, ResponsesRequest, to_chat
+from .responses_input import Offered, ResponsesRequest, input_items, to_chat
 from .schemas import FunctionCall, ToolCall, ToolCallDelta
 from .sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, EventStream
 
@@ -51,13 +51,10 @@ class ResponsesServing:
         self.store = store if store is not None else ResponseStore()
 
     async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
-        given = (
-            [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-        )
-        conversation = list(given)
+        conversation = list(input_items(req))
         if req.previous_response_id is not None:
             earlier = self.store.conversation(tenant, req.previous_response_id)
-            conversation = [*earlier, *given]
+            conversation = [*earlier, *conversation]
         whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
         chat, offered = await off_loop(to_chat, whole)
         run = await self.chat.start(chat, tenant, route=ROUTE)

@@ -85,7 +85,7 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = input_items(req)
     thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input[{i}]"
@@ -152,6 +152,11 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
         "response_format": _format(req.text),
     }
     return chat_request(chat), offered
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items: a string is one user message."""
+    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
 
 
 def _tools(given: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Offered]]:

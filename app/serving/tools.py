@@ -32,6 +32,11 @@ class ToolPlan:
     prefix: str = ""  # forced: text the reply starts with, written into the prompt
     prompted: list[dict[str, Any]] | None = None  # tools described by `prompted_tools`
 
+    @property
+    def lazy(self) -> bool:
+        """Whether the grammar is `auto`'s lazy one: free text, any calls in it valid."""
+        return self.mode == "auto" and self.grammar is not None
+
 
 def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
     """What the request's tools ask of this model, or a 400 saying why it cannot be done."""
