@@ -14,19 +14,24 @@ calls are accepted and not offered: nothing here runs them.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
 from pydantic import Field
 
+from ..engine.constraint import on_deep_stack
 from .chat import chat_request
 from .errors import APIError
+from .lark_regex import NotRegular, lark_to_regex
 from .schemas import ChatCompletionRequest, TextRequest
 
 # A custom (free-form) tool is offered to the model as a function of one string, since
 # that is what chat templates and tool parsers know; its call goes back to the client
 # as a custom_tool_call with that string as its input. The tool's input grammar (say,
-# Codex's apply_patch in Lark) is shown to the model in its description, not enforced.
+# Codex's apply_patch in Lark) is shown to the model in its description and, when it
+# is regular, enforced as the string's pattern (`lark_regex`).
 CUSTOM_PARAMETERS = {
     "type": "object",
     "properties": {"input": {"type": "string"}},
@@ -46,6 +51,9 @@ HOSTED_ITEMS = {"web_search_call", "file_search_call", "code_interpreter_call",
                 "apply_patch_call", "apply_patch_call_output", "mcp_call", "mcp_list_tools",
                 "mcp_approval_request", "mcp_approval_response", "tool_search_call",
                 "tool_search_output", "compaction", "item_reference"}  # fmt: skip
+
+
+log = logging.getLogger("mlx_cache_server.requests")
 
 
 @dataclass(frozen=True)
@@ -187,7 +195,7 @@ def _tools(given: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str,
             raise APIError(400, f"Two tools are named {called!r}.", param=f"{where}.name")
         offered[called] = Offered(kind, name, ns)
         if kind == "custom":
-            parameters = CUSTOM_PARAMETERS
+            parameters = _custom_parameters(tool, called, where)
         else:
             parameters = tool.get("parameters") or {"type": "object", "properties": {}}
         function = {"name": called, "description": _description(tool, where)}
@@ -212,6 +220,44 @@ def _description(tool: dict[str, Any], where: str) -> str:
         )
     grammar = f"The input follows this {spec['syntax']} grammar:\n{spec['definition']}"
     return f"{text}\n\n{grammar}" if text else grammar
+
+
+def _custom_parameters(tool: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    """The one-string parameters of a custom tool, the string held to the tool's grammar
+    where that grammar is one regular expression (a Lark grammar that does not recurse,
+    or a regex). A grammar that is not is shown to the model and left unenforced."""
+    spec = tool.get("format")
+    if not isinstance(spec, dict) or spec.get("type") != "grammar":
+        return CUSTOM_PARAMETERS
+    syntax, definition = spec["syntax"], spec["definition"]  # checked by _description
+    try:
+        if syntax == "lark":
+            pattern = lark_to_regex(definition)
+        elif syntax == "regex":
+            pattern = definition
+        else:
+            raise NotRegular(f"unknown syntax {syntax!r}")
+    except NotRegular as e:
+        log.warning("custom tool %r: its grammar is not enforced: %s", name, e)
+        return CUSTOM_PARAMETERS
+    schema = {"type": "string", "pattern": f"^(?:{pattern})$"}
+    error = _pattern_error(schema)
+    if error:
+        log.warning("custom tool %r: its grammar is not enforced: %s", name, error)
+        return CUSTOM_PARAMETERS
+    return {**CUSTOM_PARAMETERS, "properties": {"input": schema}}
+
+
+def _pattern_error(schema: dict[str, Any]) -> str | None:
+    """What llguidance finds wrong with a string schema's pattern (its regex dialect is
+    Rust's; a Lark grammar may hold Python's), or None."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as e:
+        return str(e).split("\n", 1)[0]
+    validate = llguidance.LLMatcher.validate_grammar_with_warnings
+    error, messages = on_deep_stack(validate, grammar, None)
+    return "; ".join(m.strip().split("\n", 1)[0] for m in messages) if error else None
 
 
 def _custom_arguments(text: str) -> str:

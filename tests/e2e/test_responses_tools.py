@@ -86,6 +86,60 @@ def test_allowed_tools_limits_what_is_called(oai):
     assert [o.name for o in r.output if o.type == "function_call"] == ["exec_command"]
 
 
+@pytest.fixture(scope="module")
+def lark_check():
+    """Whether text is (a prefix of) a sentence of a Lark grammar, by llguidance's own Lark
+    parser, not the regex the server holds the call to."""
+    import llguidance
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_model import build_tokenizer
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer())
+    tokenizer = llguidance.hf.from_tokenizer(hf)
+
+    def check(grammar: str, text: str) -> tuple[bool, bool]:
+        matcher = llguidance.LLMatcher(tokenizer, llguidance.grammar_from("lark", grammar))
+        ids = hf.encode(text)
+        return matcher.try_consume_tokens(ids) == len(ids), matcher.is_accepting()
+
+    return check
+
+
+@pytest.mark.parametrize("ask", ["Fix the bug.", "Rename x to y in a.py.", "Add a README."])
+def test_a_forced_apply_patch_follows_its_lark_grammar(oai, lark_check, ask):
+    from tests.unit.test_lark_regex import APPLY_PATCH
+
+    grammar = {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}
+    patch = {"type": "custom", "name": "apply_patch", "description": "Edit.", "format": grammar}
+    r = oai.responses.create(
+        model="tiny", input=ask, tools=[SHELL, patch], temperature=1.0, max_output_tokens=160,
+        tool_choice={"type": "custom", "name": "apply_patch"},
+    )  # fmt: skip
+    patch_text = _forced_input(r)
+    assert patch_text.startswith("*** Begin Patch\n*** ")
+    valid, whole = lark_check(APPLY_PATCH, patch_text)
+    assert valid, patch_text  # random weights, yet no character the grammar refuses
+    assert whole == (r.status == "completed"), (r.status, patch_text)
+
+
+def _forced_input(r) -> str:
+    """A forced custom call's input; cut short, the call is text: its input so far."""
+    for item in r.output:
+        if item.type == "custom_tool_call":
+            return item.input
+    head = '{"name":"apply_patch","arguments":{"input":"'
+    assert r.status == "incomplete" and r.output_text.startswith(head), r.output_text
+    rest = r.output_text[len(head) :]
+    for cut in range(7):  # the text may end in the middle of an escape
+        try:
+            return json.loads(f'"{rest[: len(rest) - cut]}"')
+        except ValueError:
+            continue
+    raise AssertionError(rest)
+
+
 def test_items_of_tools_run_elsewhere_are_accepted_and_left_out(server):
     items = [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]},
@@ -180,3 +234,24 @@ def test_a_streamed_response_is_stored_too_and_tenants_see_only_their_own(tiny_m
         assert follow.usage.input_tokens > done.usage.input_tokens
         with pytest.raises(openai.NotFoundError):
             bob.responses.create(model="tiny", input="x", previous_response_id=done.id)
+
+
+def test_stored_responses_outlive_a_restart_with_a_cache_dir(tiny_model_dir, tmp_path):
+    from tests.live import serving
+
+    settings = {"served_model_name": "tiny", "cache_dir": str(tmp_path)}
+    with serving(str(tiny_model_dir), **settings) as live:
+        oai = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        first = oai.responses.create(model="tiny", input="Hi.", temperature=0, max_output_tokens=4)
+    with serving(str(tiny_model_dir), **settings) as live:
+        oai = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+        follow = oai.responses.create(
+            model="tiny", input="More.", previous_response_id=first.id, temperature=0,
+            max_output_tokens=4,
+        )  # fmt: skip
+        whole = [{"role": "user", "content": "Hi."},
+                 *[o.model_dump(exclude_none=True) for o in first.output],
+                 {"role": "user", "content": "More."}]  # fmt: skip
+        sent = oai.responses.create(model="tiny", input=whole, temperature=0, max_output_tokens=4)
+    assert follow.usage.input_tokens == sent.usage.input_tokens
+    assert follow.output_text == sent.output_text
