@@ -1,6 +1,7 @@
 """The real coding agents, installed from npm at pinned versions, each given nothing but our
-base URL: Codex CLI through /v1/responses and Claude Code through /v1/messages complete a
-non-interactive turn, and a second session is served from the cache.
+base URL: Codex CLI through /v1/responses, Claude Code through /v1/messages and OpenCode
+through /v1/chat/completions complete a non-interactive turn, and a second session is
+served from the cache.
 
 The model is `build_agent_model`: the tiny layers under the default model's tokenizer and
 template (which knows no tools: the agents' tools go through the server's own protocol),
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 CODEX, CLAUDE = "@openai/codex@0.171.0", "@anthropic-ai/claude-code@2.1.197"
+OPENCODE = "opencode-ai@1.18.33"
 REPLY = "Hello there!"  # what build_agent_model answers (tests/conftest.py)
 
 
@@ -28,7 +30,8 @@ def clis(tmp_path_factory) -> Path:
         pytest.skip("node and npm are needed to install the agent CLIs (.ci/run installs them)")
     folder = tmp_path_factory.mktemp("agents")
     subprocess.run(
-        [npm, "install", "--no-audit", "--no-fund", "--prefix", str(folder), CODEX, CLAUDE],
+        [npm, "install", "--no-audit", "--no-fund", "--prefix", str(folder), CODEX, CLAUDE,
+         OPENCODE],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     return folder / "node_modules" / ".bin"
@@ -87,3 +90,23 @@ def test_claude_code_completes_a_turn_and_a_second_session_is_cached(clis, agent
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     # Its attribution line, different in every session, is cut by default.
     assert session_share(log, before, "/v1/messages") >= 0.9
+
+
+def test_opencode_completes_a_turn_and_a_second_session_is_cached(clis, agent_server, tmp_path):
+    url, log = agent_server
+    config = tmp_path / ".config" / "opencode"
+    config.mkdir(parents=True)
+    # OpenCode's documented setup for a local OpenAI-compatible server; it fetches the
+    # provider package from npm on first use.
+    provider = {"npm": "@ai-sdk/openai-compatible", "name": "local",
+                "options": {"baseURL": f"{url}/v1", "apiKey": "unused"},
+                "models": {"tiny": {"name": "tiny"}}}  # fmt: skip
+    settings = {"provider": {"local": provider}, "model": "local/tiny", "autoupdate": False}
+    (config / "opencode.json").write_text(json.dumps(settings))
+    first = run([str(clis / "opencode"), "run", "Say hi."], tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert REPLY in first.stdout
+    before = len(requests_logged(log))
+    second = run([str(clis / "opencode"), "run", "What is in this folder?"], tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert session_share(log, before, "/v1/chat/completions") >= 0.9

@@ -5,11 +5,14 @@ well formed, in its API's stream or body."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
 import pytest
 
+# A forced call cut short: compact JSON, or a template's own (a space after the colon).
+CALL_START = re.compile(r'\{"name": ?"')
 FIXTURES = sorted((Path(__file__).parent.parent / "fixtures" / "agents").glob("*.json"))
 
 
@@ -43,11 +46,44 @@ def check_messages(stream: list[tuple[str, dict]], body: dict) -> None:
 
 def check_responses(stream: list[tuple[str, dict]], body: dict) -> None:
     kinds = [k for k, _ in stream]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+    ends = ("response.completed", "response.incomplete")
+    assert kinds[0] == "response.created" and kinds[-1] in ends, kinds
     assert [d["sequence_number"] for _, d in stream] == list(range(len(stream)))
-    done = stream[-1][1]["response"]
+    check_response(stream[-1][1]["response"], body)
+
+
+def check_response(done: dict, body: dict) -> None:
+    if body.get("tool_choice") == "required":  # a call, or its start where the limit cut it
+        calls = [o for o in done["output"] if o["type"] == "function_call"]
+        if done["status"] == "completed":
+            assert calls and all(json.loads(c["arguments"]) is not None for c in calls)
+        else:
+            text = done["output"][0]["content"][0]["text"]
+            assert done["status"] == "incomplete" and CALL_START.match(text), done
+        return
+    assert done["status"] == "completed", done
     (message,) = [o for o in done["output"] if o["type"] == "message"]
     assert message["content"][0]["text"] == "Hello there!"
+
+
+def check_chat(chunks: list[dict], body: dict) -> None:
+    """Chat completions, streamed (as chunks) or not (one body as a chunk)."""
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    parts = [c.get("delta") or c.get("message") or {} for c in choices]
+    text = "".join(p.get("content") or "" for p in parts)
+    finish = [c["finish_reason"] for c in choices if c.get("finish_reason")]
+    assert len(finish) == 1, choices
+    if body.get("stream_options", {}).get("include_usage"):
+        assert chunks[-1]["usage"]["prompt_tokens"] > 0 and not chunks[-1]["choices"]
+    if body.get("tool_choice") == "required":
+        if finish[0] == "tool_calls":
+            calls = [t for p in parts for t in p.get("tool_calls") or []]
+            names = {t["function"]["name"] for t in body["tools"]}
+            assert calls and {c["function"]["name"] for c in calls} <= names
+        else:
+            assert finish[0] == "length" and CALL_START.match(text), (finish, text)
+        return
+    assert text == "Hello there!" and finish[0] == "stop", (text, finish)
 
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=[f.stem for f in FIXTURES])
@@ -58,13 +94,17 @@ def test_a_recorded_agent_request_is_answered_as_its_api_says(
     url, _ = agent_server if template == "no tools" else agent_tools_server
     recorded = json.loads(fixture.read_text())
     # As sent, but for the reply's length: the agents ask for up to 64,000 tokens.
-    body = (
-        {**recorded["body"], "max_tokens": 48}
-        if recorded["path"] == "/v1/messages"
-        else {**recorded["body"], "max_output_tokens": 48}
-    )
+    limit = "max_output_tokens" if recorded["path"] == "/v1/responses" else "max_tokens"
+    body = {**recorded["body"], limit: 48}
     path = recorded["path"] + (f"?{recorded['query']}" if recorded["query"] else "")
     with httpx.stream("POST", url + path, json=body, timeout=600) as r:
         assert r.status_code == 200, r.read()[:2000]
+        if not body.get("stream"):
+            done = json.loads(r.read())
+            check_response(done, body) if path == "/v1/responses" else check_chat([done], body)
+            return
         stream = events(r)
-    (check_messages if recorded["path"] == "/v1/messages" else check_responses)(stream, body)
+    if recorded["path"] == "/v1/chat/completions":
+        check_chat([data for _, data in stream], body)
+    else:
+        (check_messages if recorded["path"] == "/v1/messages" else check_responses)(stream, body)
