@@ -33,7 +33,8 @@ PING_EVERY = 5.0  # seconds without an event before a ping: agents warn of stall
 SERVER_TOOLS = ("web_search", "web_fetch", "code_execution", "tool_search_tool", "mcp_toolset")
 # Blocks of Anthropic's server tools in an assistant turn: never ours to render.
 SERVER_BLOCKS = {"server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
-                 "code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                 "code_execution_tool_result", "bash_code_execution_tool_result",
+                 "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
                  "tool_search_tool_result", "container_upload"}  # fmt: skip
 
 
@@ -91,8 +92,8 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
                 thoughts.append(str(block.get("thinking") or ""))
             elif kind == "redacted_thinking" and m.role == "assistant":
                 continue  # another server's encrypted thinking: nothing to render
-            elif kind in SERVER_BLOCKS and m.role == "assistant":
-                continue  # Anthropic's server tools, never offered here
+            elif kind in SERVER_BLOCKS and (m.role == "assistant" or kind == "container_upload"):
+                continue  # Anthropic's server tools (and their files), never offered here
             else:
                 raise APIError(400, f"Unsupported content block {kind!r} here.", param=where)
         role = m.role
@@ -152,12 +153,14 @@ def _tools(tools: list[dict[str, Any]], loaded: set[str]) -> list[dict[str, Any]
     """The tools to offer, as chat's functions: Anthropic's server tools left out, and
     `defer_loading` ones until a tool search has loaded them (a `tool_reference`)."""
     out = []
-    for t in tools:
+    for i, t in enumerate(tools):
         kind = str(t.get("type") or "custom")
         if kind.startswith(SERVER_TOOLS) or (
             t.get("defer_loading") and t.get("name") not in loaded
         ):
             continue
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise APIError(400, f"A tool of type {kind!r} needs a 'name'.", param=f"tools[{i}]")
         parameters = t.get("input_schema") or {"type": "object", "properties": {}}
         function = {"name": t.get("name"), "description": t.get("description", "")}
         out.append({"type": "function", "function": {**function, "parameters": parameters}})

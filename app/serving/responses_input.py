@@ -40,9 +40,10 @@ CUSTOM_PARAMETERS = {
 }
 # The provider's own tools, and the built-in ones whose calls come back as their own
 # item types (a shell, apply_patch as a tool type): accepted, never offered.
-HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_2025_08_26", "file_search",
-                "code_interpreter", "computer_use_preview", "computer_use", "image_generation",
-                "local_shell", "shell", "apply_patch", "mcp", "tool_search"}  # fmt: skip
+HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                "web_search_2025_08_26", "file_search", "code_interpreter", "computer",
+                "computer_use_preview", "computer_use", "image_generation", "local_shell", "shell",
+                "apply_patch", "mcp", "tool_search", "programmatic_tool_calling"}  # fmt: skip
 # Input items of those tools' calls (and items that stand for stored ones): accepted and left
 # out of the prompt, as the tools themselves are.
 HOSTED_ITEMS = {"web_search_call", "file_search_call", "code_interpreter_call",
@@ -50,7 +51,9 @@ HOSTED_ITEMS = {"web_search_call", "file_search_call", "code_interpreter_call",
                 "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
                 "apply_patch_call", "apply_patch_call_output", "mcp_call", "mcp_list_tools",
                 "mcp_approval_request", "mcp_approval_response", "tool_search_call",
-                "tool_search_output", "compaction", "item_reference"}  # fmt: skip
+                "tool_search_output", "compaction", "compaction_trigger", "item_reference",
+                "additional_tools", "configuration_update", "program",
+                "program_output"}  # fmt: skip
 
 
 log = logging.getLogger("mlx_cache_server.requests")
@@ -96,7 +99,7 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
     items = input_items(req)
     thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
-        kind, where = item.get("type", "message"), f"input[{i}]"
+        kind, where = item.get("type") or _untyped(item), f"input[{i}]"
         last = messages[-1] if messages else None
         if kind == "message":
             role = item.get("role")
@@ -117,7 +120,10 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
                 if not isinstance(item.get("input"), str):
                     raise APIError(400, "'input' must be a string.", param=f"{where}.input")
                 arguments = _custom_arguments(item["input"])
-            function = {"name": name, "arguments": arguments if isinstance(arguments, str) else ""}
+            if not isinstance(arguments, str):
+                raise APIError(400, "'arguments' must be a string of JSON.",
+                               param=f"{where}.arguments")  # fmt: skip
+            function = {"name": name, "arguments": arguments}
             call = {"id": call_id, "type": "function", "function": function}
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the same turn's text or calls
@@ -162,6 +168,11 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
     return chat_request(chat), offered
 
 
+def _untyped(item: dict[str, Any]) -> str:
+    """The type of an item sent without one: a message, or (an id alone) a reference."""
+    return "item_reference" if "role" not in item and "id" in item else "message"
+
+
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as items: a string is one user message."""
     return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
@@ -183,7 +194,9 @@ def _tools(given: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str,
         else:
             entries.append((tool, None, f"tools[{i}]"))
     for tool, ns, where in entries:
-        kind, name = tool.get("type"), tool.get("name") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise APIError(400, "Each tool must be an object.", param=where)
+        kind, name = tool.get("type"), tool.get("name")
         if isinstance(kind, str) and kind in HOSTED_TOOLS and ns is None:
             continue  # the provider's own tools: nothing here runs them, so none is offered
         if kind not in ("function", "custom"):
@@ -194,11 +207,11 @@ def _tools(given: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str,
         if called in offered:
             raise APIError(400, f"Two tools are named {called!r}.", param=f"{where}.name")
         offered[called] = Offered(kind, name, ns)
+        function = {"name": called, "description": _description(tool, where)}  # checks format
         if kind == "custom":
             parameters = _custom_parameters(tool, called, where)
         else:
             parameters = tool.get("parameters") or {"type": "object", "properties": {}}
-        function = {"name": called, "description": _description(tool, where)}
         tools.append({"type": "function", "function": {**function, "parameters": parameters}})
     return tools, offered
 

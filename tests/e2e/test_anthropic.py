@@ -204,12 +204,15 @@ def test_the_blocks_claude_code_sends_are_taken_as_anthropic_documents_them(tool
             {"type": "text", "text": "Find the forecast."},
             {"type": "document", "title": "Notes", "source": {
                 "type": "text", "media_type": "text/plain", "data": "Rain expected."}},
-            image]},
+            image, {"type": "container_upload", "file_id": "file_1"}]},
         {"role": "system", "content": "Agent types: general."},
         {"role": "assistant", "content": [
             {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search",
              "input": {"query": "forecast"}},
             {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+            {"type": "bash_code_execution_tool_result", "tool_use_id": "srvtoolu_2",
+             "content": {"type": "bash_code_execution_result", "stdout": "", "stderr": "",
+                         "return_code": 0, "content": []}},
             {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"q": "fc"}}]},
         {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
@@ -339,3 +342,17 @@ def test_refusals_before_the_route_come_in_anthropics_shape_too(tiny_model_dir):
         headers = {f"x-h{i}": "1" for i in range(120)}
         r = httpx.post(live.url + "/v1/messages", json={}, headers=headers)
         assert r.status_code == 431 and r.json()["type"] == "error"
+
+
+@pytest.mark.parametrize("tool", [{"type": "browser_toolset_20260801"}, {"name": 7}])
+def test_a_client_tool_without_a_name_is_a_400_that_points_at_it(tools_live, tool):
+    server_tool = {"type": "web_search_20250305", "name": "web_search"}
+    r = httpx.post(
+        tools_live.url + "/v1/messages",
+        json={"model": "tiny", "max_tokens": 4, "messages": HELLO,
+              "tools": [server_tool, WEATHER, tool]},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "'name'" in error["message"]

@@ -148,6 +148,7 @@ def test_items_of_tools_run_elsewhere_are_accepted_and_left_out(server):
         {"type": "tool_search_call", "id": "ts_1", "arguments": {"q": "x"}},
         {"type": "compaction", "id": "cmp_1", "encrypted_content": "opaque"},
         {"type": "item_reference", "id": "msg_1"},
+        {"id": "msg_2"},  # an item_reference, its type left out as the spec allows
         {"type": "local_shell_call", "id": "ls_1", "call_id": "c1", "status": "completed",
          "action": {"type": "exec", "command": ["ls"]}},
         {"type": "local_shell_call_output", "id": "ls_1", "output": "a.txt"},
@@ -155,7 +156,8 @@ def test_items_of_tools_run_elsewhere_are_accepted_and_left_out(server):
          "content": [{"type": "refusal", "refusal": "I cannot."}]},
         {"type": "message", "role": "user", "content": "Again."},
     ]  # fmt: skip
-    body = {"model": "tiny", "input": items, "tools": HOSTED, "max_output_tokens": 4}
+    hosted = [*HOSTED, {"type": "computer"}, {"type": "web_search_preview_2025_03_11"}]
+    body = {"model": "tiny", "input": items, "tools": hosted, "max_output_tokens": 4}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
     assert r.status_code == 200, r.text
     plain = {"model": "tiny", "max_output_tokens": 4, "input": [items[0], items[-2], items[-1]]}
@@ -174,6 +176,13 @@ def test_items_of_tools_run_elsewhere_are_accepted_and_left_out(server):
                                             "tools": [{"type": "function", "name": "nope"}]}},
          "tool_choice", None),
         ({"tools": [{**AGENTS, "tools": "none"}]}, "tools[0]", None),
+        ({"tools": [{**AGENTS, "tools": ["x"]}]}, "tools[0].tools[0]", None),
+        ({"tools": [{"type": "custom", "name": "p", "format": {"type": "grammar"}}]},
+         "tools[0].format", None),
+        ({"tools": [{"type": "custom", "name": "p", "format": {
+            "type": "grammar", "syntax": "lark", "definition": 7}}]}, "tools[0].format", None),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+         "input[0].arguments", None),
     ],
 )  # fmt: skip
 def test_what_cannot_be_done_says_why(server, body, param, code):
