@@ -10,8 +10,12 @@ Starts our server (OpenBLAS preloaded, as multiturn.py does) and, through the
    next question): each request's cached share of its prompt, and whether it
    reused all of the previous request's prompt and reply (the chat template
    re-rendered what was generated token for token) or less (template drift).
+3. Forced `apply_patch` calls through the Responses API, with the Lark grammar
+   Codex sends: of the calls that finished, the share whose input parses with
+   that grammar (by llguidance's Lark parser, not the regex the server holds the
+   call to), and how many finished within the token limit.
 
-    python bench/structured.py [--rounds 6] [--turns 6]
+    python bench/structured.py [--rounds 6] [--turns 6] [--patches 12] [--only-patches]
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from multiturn import RESULTS, running
 from openai import OpenAI
@@ -132,20 +138,68 @@ def tool_conversation(client: OpenAI, turns: int) -> list[dict]:
     return rows
 
 
+PATCH_ASKS = [
+    "Rename the function foo to bar in src/app.py.",
+    "Delete the file old_notes.txt.",
+    "Add a file hello.py that prints hello.",
+    "Fix the typo 'recieve' in README.md.",
+    "Add a line 'import os' at the top of main.py.",
+    "Change the port from 8000 to 9000 in config.py.",
+]
+
+
+def forced_patches(client: OpenAI, count: int) -> dict:
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.unit.test_lark_regex import APPLY_PATCH
+
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tokenizer = llguidance.hf.from_tokenizer(hf)
+    grammar = {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}
+    tool = {"type": "custom", "name": "apply_patch", "format": grammar,
+            "description": "Edit files with a patch. This is a FREEFORM tool."}  # fmt: skip
+    finished = parsed = 0
+    for i in range(count):
+        r = client.responses.create(
+            model="bench", input=PATCH_ASKS[i % len(PATCH_ASKS)], tools=[tool],
+            tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=400,
+            temperature=0 if i < len(PATCH_ASKS) else 0.8,
+        )  # fmt: skip
+        calls = [o for o in r.output if o.type == "custom_tool_call"]
+        if r.status != "completed" or not calls:
+            continue
+        finished += 1
+        matcher = llguidance.LLMatcher(tokenizer, llguidance.grammar_from("lark", APPLY_PATCH))
+        ids = hf.encode(calls[0].input, add_special_tokens=False)
+        parsed += matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+    return {"patch_calls": count, "patch_finished": finished, "patch_parsed": parsed,
+            "patch_parsed_share": parsed / finished if finished else None}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--patches", type=int, default=12)
+    ap.add_argument("--only-patches", action="store_true")
     args = ap.parse_args()
     model = str(default_model_dir())
     with running("ours", model, 32, 256 * 2**20) as server:
         client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
         per_token(client, "Oslo", True)  # warm-up: builds the grammar tokenizer
+        patches = forced_patches(client, args.patches)
+        if args.only_patches:
+            print(patches)
+            return
         cost = decode_cost(client, args.rounds)
         rows = tool_conversation(client, args.turns)
     later = rows[1:]
     report = {
         **cost,
+        **patches,
         "tool_requests": len(rows),
         "tool_cached_share": sum(r["cached"] for r in later) / sum(r["prompt"] for r in later),
         "tool_reused_previous_whole": sum(bool(r["reused_previous_whole"]) for r in later),
