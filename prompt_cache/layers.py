@@ -6,9 +6,13 @@ A prompt cache is mlx-lm's list of per-layer cache objects for one sequence
 - Prefix sharing ("sliceable"): every layer is a `KVCache` or a
   `QuantizedKVCache`. Their state is a few arrays whose axis 2 is the token
   axis, so the KV of tokens [a, b) can be cut out and segments joined back.
-- Snapshot: anything else (`RotatingKVCache` windows, `ArraysCache`/SSM state,
-  `CacheList` hybrids, mixes). The state of token i depends on more than
-  token i's own KV, so only whole sequences can be stored and restored.
+- Checkpointed (hybrid models): `KVCache` layers beside sliding windows
+  (`RotatingKVCache`, nothing kept at its start) and recurrent state
+  (`ArraysCache` and its kin: linear attention, Mamba, convolutions). The KV
+  layers are stored by prefix as above; the others only as checkpoints, their
+  whole state after a given token (a window cut to its last `max_size` tokens).
+- Snapshot: anything else (`CacheList`, chunked or quantized windows, mixes of
+  those). Only whole sequences can be stored and restored.
 
 MLX arrays are immutable values, but an `mx.array` Python object is updated in
 place by `a[...] = b` (which is how `KVCache.update_and_fetch` writes). So a
@@ -24,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from .joined import FreshKVCache, JoinedKVCache
 
@@ -37,10 +41,36 @@ _SLICEABLE = (KVCache, QuantizedKVCache, JoinedKVCache, FreshKVCache)
 
 @dataclass(frozen=True)
 class Layout:
-    """What a model's caches look like: the storage mode and each layer's kind."""
+    """What a model's caches look like: the storage mode and each layer's kind.
+
+    `checkpointed`: a hybrid model's; its KV layers' kinds are `(cls, group_size,
+    bits)` as in a sliceable layout, a window's `(RotatingKVCache, max_size)`, a
+    recurrent state's `(cls, number of arrays)`."""
 
     sliceable: bool
     kinds: tuple[tuple[Any, ...], ...]
+    checkpointed: bool = False
+
+    @property
+    def segmented(self) -> bool:
+        """Whether the tree's edges hold KV segments (prefix sharing, or hybrid)."""
+        return self.sliceable or self.checkpointed
+
+    @property
+    def kv(self) -> tuple[int, ...]:
+        """The layers stored by prefix."""
+        return tuple(i for i, k in enumerate(self.kinds) if k[0] in _SLICEABLE)
+
+    def mode(self) -> str:
+        """The storage mode in words, for the log and /v1/cache."""
+        if self.sliceable:
+            return "prefix sharing"
+        if not self.checkpointed:
+            return "whole-sequence snapshots"
+        windows = sum(k[0] is RotatingKVCache for k in self.kinds)
+        states = len(self.kinds) - len(self.kv) - windows
+        return (f"hybrid: {len(self.kv)} attention layers shared by prefix, {windows} "
+                f"sliding-window and {states} recurrent-state layers checkpointed")  # fmt: skip
 
 
 def layout_of(cache: list[Any]) -> Layout:
@@ -57,7 +87,48 @@ def layout_of(cache: list[Any]) -> Layout:
         if len({c.offset for c in cache}) != 1:
             raise ValueError("layers of one cache disagree on their token count")
         return Layout(True, tuple(kinds))
+    if all(_checkpointable(c) for c in cache):
+        return _checkpointed_layout(cache)
     return Layout(False, tuple((_kind(c),) for c in cache))
+
+
+def mode_of(cache: list[Any]) -> str:
+    """How a model's caches will be stored, from a fresh `make_prompt_cache` (empty layers):
+    "prefix", "checkpointed" or "snapshot"."""
+    if all(type(c) in _SLICEABLE for c in cache):
+        return "prefix"
+    return "checkpointed" if all(_checkpointable(c) for c in cache) else "snapshot"
+
+
+def _checkpointable(c: Any) -> bool:
+    if type(c) in _SLICEABLE:
+        return True
+    if type(c) is RotatingKVCache:
+        return c.keep == 0  # what `keep` holds at a window's start would need a copy of its own
+    return isinstance(c, ArraysCache)
+
+
+def _checkpointed_layout(cache: list[Any]) -> Layout:
+    kinds: list[tuple[Any, ...]] = []
+    offsets = set()
+    for c in cache:
+        if type(c) in _SLICEABLE or type(c) is RotatingKVCache:
+            if c.keys is None:
+                raise ValueError("cannot store an empty layer cache")
+            if _arrays(c)[0].shape[0] != 1:
+                raise ValueError("only batch-size-1 caches can be stored")
+            offsets.add(c.offset)
+        if type(c) is RotatingKVCache:
+            kinds.append((RotatingKVCache, c.max_size))
+        elif type(c) in _SLICEABLE:
+            kinds.append((_kind(c), getattr(c, "group_size", None), getattr(c, "bits", None)))
+        else:
+            if c.batch_size != 1:
+                raise ValueError("only batch-size-1 caches can be stored")
+            kinds.append((type(c), len(c.cache)))
+    if len(offsets) > 1:
+        raise ValueError("layers of one cache disagree on their token count")
+    return Layout(False, tuple(kinds), checkpointed=True)
 
 
 _KINDS = {cls.__name__: cls for cls in (KVCache, QuantizedKVCache)}
@@ -78,9 +149,47 @@ def _kind(layer: Any) -> type:
     return KVCache if type(layer) in (JoinedKVCache, FreshKVCache) else type(layer)
 
 
-def length(cache: list[Any]) -> int:
-    """Tokens held by a sliceable cache."""
-    return cache[0].offset
+def length(cache: list[Any]) -> int | None:
+    """Tokens held by a sliceable or checkpointed cache (None: only recurrent state, which
+    does not count them)."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), None)
+
+
+def checkpoint(layout: Layout, cache: list[Any]) -> list[Any]:
+    """Copies of the layers a checkpointed layout does not store by prefix: each window cut
+    to the last `max_size` tokens it holds, in order; each recurrent state as it is."""
+    kv = set(layout.kv)
+    out = []
+    for i, c in enumerate(cache):
+        if i in kv:
+            continue
+        if type(c) is RotatingKVCache:
+            keep = min(c.offset, c.max_size)
+            layer = RotatingKVCache(c.max_size)
+            layer.keys, layer.values = (_own(c._temporal_order(a)[..., -keep:, :])
+                                        for a in (c.keys, c.values))  # fmt: skip
+            layer.offset, layer._idx = c.offset, keep
+            out.append(layer)
+        else:
+            out.append(_fresh_views(c))
+    mx.async_eval(arrays_in(out))
+    return out
+
+
+def assemble_checkpointed(
+    layout: Layout, pieces: list[tuple[Segment, int]], saved: list[Any]
+) -> list[Any]:
+    """A fresh cache: the KV layers joined from segments (as `assemble`), the others
+    restored from the checkpoint `saved`."""
+    kv = layout.kv
+    joined = iter(assemble(Layout(True, tuple(layout.kinds[i] for i in kv)), pieces) if kv else [])
+    restored = iter(clone(saved))
+    return [next(joined) if i in kv else next(restored) for i in range(len(layout.kinds))]
+
+
+def kv_part(layout: Layout, cache: list[Any]) -> list[Any]:
+    """The layers a layout stores by prefix."""
+    return [cache[i] for i in layout.kv] if layout.checkpointed else cache
 
 
 def _arrays(layer: Any) -> tuple[mx.array, ...]:

@@ -14,6 +14,9 @@ the state of a sequence. Rules:
     path up to the common prefix (a longer match is simply cut there). Here a
     sequence that extends a stored one replaces it, and cached sequences are
     exactly the leaves.
+  * checkpointed, for hybrid models (`prompt_cache.checkpoints`): the KV layers
+    as in prefix sharing, the other layers' state at chosen nodes; a fetch
+    resumes at the deepest of those within its match.
   * snapshot otherwise: a terminal node holds the whole cache of its sequence.
     A fetch restores the deepest stored prefix, or a longer stored sequence
     trimmed back to the common prefix when its layers are trimmable.
@@ -46,12 +49,13 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import Any
 
-from . import layers
+from . import checkpoints, layers, planning
 from .disk import DiskTier
 from .eviction import LRUOrder
 from .layers import Layout
+from .planning import Kind
 from .radix import (
     TOKEN,
     Node,
@@ -60,7 +64,6 @@ from .radix import (
     add_child,
     detach,
     iter_nodes,
-    nearest,
     pack,
     split,
     walk,
@@ -68,7 +71,6 @@ from .radix import (
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["exact", "shorter", "longer", "miss"]
 
 SHORTEN_COPY = 4  # most bytes copied per byte freed when cutting a sequence's end
 MIN_DISK_LOAD = 16  # fewer tokens past the RAM tree are recomputed, not read from disk
@@ -120,19 +122,6 @@ class _Tree:
     version: int = 0  # bumped by every change to the tree's shape
 
 
-@dataclass
-class _Plan:
-    """What a fetch will build, decided under the lock and built outside it."""
-
-    kind: Kind
-    n: int
-    pinned: list[Node]
-    used: Node | None  # the cached sequence's node this fetch counts as a use of
-    pieces: list[tuple[layers.Segment, int]] = field(default_factory=list)
-    entry: list[Any] | None = None
-    trim: int = 0
-
-
 Tokens = Sequence[int] | PackedTokens
 """A token list (or tuple, numpy or mlx array), or tokens packed once (`PackedTokens`)."""
 
@@ -171,6 +160,7 @@ class PromptCache:
         self._lru: LRUOrder[Node, _Tree] = LRUOrder()
         self._nbytes = 0
         self._shorten_copy = SHORTEN_COPY
+        self._clock = 0  # orders checkpoints by use
 
     # ----------------------------------------------------------------- reads
 
@@ -228,6 +218,8 @@ class PromptCache:
             setattr(tree.stats, plan.kind, getattr(tree.stats, plan.kind) + 1)
             tree.stats.tokens_reused += plan.n
             self._pin(plan.pinned)
+            if plan.saved is not None:
+                plan.pinned[-1].checkpoint_used = self._tick()  # the node it resumes at
             if plan.used is not None and plan.used.terminal:
                 self._lru.touch(plan.used, tree)
         try:
@@ -235,6 +227,8 @@ class PromptCache:
                 cache = layers.clone(plan.entry)
                 if plan.trim:
                     layers.trim(cache, plan.trim)
+            elif plan.saved is not None:
+                cache = layers.assemble_checkpointed(tree.layout, plan.pieces, plan.saved)
             else:
                 cache = layers.assemble(tree.layout, plan.pieces)
         finally:
@@ -250,12 +244,16 @@ class PromptCache:
             plan = self._plan(tree, key) if tree is not None else None
         return ("miss", 0) if plan is None else (plan.kind, plan.n)
 
-    def _plan(self, tree: _Tree, key: bytes) -> _Plan | None:
+    def _plan(self, tree: _Tree, key: bytes) -> planning.Plan | None:
         n = len(key) // TOKEN
         if n < 2:
             return None
         w = walk(tree.root, key)
-        return _plan_segments(w, n) if tree.layout.sliceable else _plan_snapshot(w, n)
+        if tree.layout.sliceable:
+            return planning.plan_segments(w, n)
+        if tree.layout.checkpointed:
+            return planning.plan_checkpointed(w, n)
+        return planning.plan_snapshot(w, n)
 
     # ------------------------------------------------------------------ disk
 
@@ -295,7 +293,7 @@ class PromptCache:
         segment = self.disk.load(model, key, have, end)
         if segment is None:
             return 0
-        prep = _Prepared(start=have, segment=segment)
+        prep = planning.Prepared(start=have, segment=segment)
         key = key[: end * TOKEN]
         with self._lock:
             tree = self._trees.get(model)
@@ -327,8 +325,9 @@ class PromptCache:
         key = _key(tokens)
         n = len(key) // TOKEN
         layout = layers.layout_of(cache)
-        if layout.sliceable and layers.length(cache) != n:
-            raise ValueError(f"the cache holds {layers.length(cache)} tokens but {n} were given")
+        held = layers.length(cache) if layout.segmented else None
+        if held is not None and held != n:
+            raise ValueError(f"the cache holds {held} tokens but {n} were given")
         if not n:
             return False
         with self._lock:
@@ -346,7 +345,7 @@ class PromptCache:
             version = tree.version
             self._pin(w.nodes)
         try:
-            prep = _prepare_insert(layout, w, n, cache, self.measure)
+            prep = planning.prepare_insert(layout, w, n, cache, self.measure)
         except BaseException:
             with self._lock:
                 self._unpin(tree, w.nodes)
@@ -368,6 +367,8 @@ class PromptCache:
             try:
                 if layout.sliceable:
                     stored = self._attach_segment(tree, anchor, w2.length, key, prep)
+                elif layout.checkpointed:
+                    stored = self._attach_checkpointed(tree, anchor, w2.length, key, prep)
                 else:
                     stored = self._attach_snapshot(tree, anchor, w2.length, key, prep)
             finally:
@@ -381,14 +382,14 @@ class PromptCache:
                 self.disk.put(model, key, path, layers.layout_json(layout))
             return stored
 
-    def _anchor(self, tree: _Tree, w: Walk, n: int, prep: _Prepared) -> Node:
+    def _anchor(self, tree: _Tree, w: Walk, n: int, prep: planning.Prepared) -> Node:
         """The node the new sequence ends at or hangs from, splitting an edge if needed."""
         end = w.nodes[-1] if w.nodes else tree.root
         if not w.partial or (tree.layout.sliceable and w.length == n):
             return end
         k = w.length - end.start
         tree.version += 1
-        if not tree.layout.sliceable:
+        if not tree.layout.segmented:
             return split(end, k)
         halves = prep.halves if prep.split_of is end.segment and prep.split_at == k else None
         if halves is None:  # another insert split this edge meanwhile
@@ -400,7 +401,7 @@ class PromptCache:
         return head
 
     def _attach_segment(
-        self, tree: _Tree, parent: Node, m: int, key: bytes, prep: _Prepared
+        self, tree: _Tree, parent: Node, m: int, key: bytes, prep: planning.Prepared
     ) -> bool:
         if m * TOKEN == len(key):  # already on a stored path; only recency changes
             if parent.terminal and parent.depth == m:
@@ -424,8 +425,61 @@ class PromptCache:
         self._mark(tree, child)
         return True
 
+    def _attach_checkpointed(
+        self, tree: _Tree, parent: Node, m: int, key: bytes, prep: planning.Prepared
+    ) -> bool:
+        """As `_attach_segment`, and the new end holds the checkpoint (an end already on
+        the tree gets it, if it has none)."""
+        if m * TOKEN == len(key):
+            if parent.checkpoint is None:
+                if not self._make_room(prep.checkpoint_nbytes, 0):
+                    return False
+                parent.checkpoint = prep.checkpoint
+                parent.checkpoint_nbytes = prep.checkpoint_nbytes
+                self._add_bytes(tree, prep.checkpoint_nbytes)
+            parent.checkpoint_used = self._tick()
+            if parent.terminal:
+                self._lru.touch(parent, tree)
+            return True
+        seg = prep.segment
+        if m > prep.start:  # another insert stored part of it meanwhile
+            seg = layers.cut_segment(seg, m - prep.start)
+        seg_nbytes = self.measure(seg)
+        extends = parent.terminal
+        if extends:
+            self._unmark(tree, parent)
+        if not self._make_room(seg_nbytes + prep.checkpoint_nbytes, 0 if extends else 1):
+            if extends:
+                self._mark(tree, parent)
+            return False
+        child = add_child(parent, key[m * TOKEN :])
+        tree.version += 1
+        child.segment, child.segment_nbytes = seg, seg_nbytes
+        child.checkpoint, child.checkpoint_nbytes = prep.checkpoint, prep.checkpoint_nbytes
+        child.checkpoint_used = self._tick()
+        self._add_bytes(tree, seg_nbytes + prep.checkpoint_nbytes)
+        self._mark(tree, child)
+        return True
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _drop_checkpoint(self) -> bool:
+        """Free the checkpoint `checkpoints.first_to_drop` picks over all trees."""
+        found = [(n, tree) for tree in self._trees.values() if tree.layout.checkpointed
+                 for n in iter_nodes(tree.root)]  # fmt: skip
+        node = checkpoints.first_to_drop(n for n, _ in found)
+        if node is None:
+            return False
+        tree = next(t for n, t in found if n is node)
+        self._add_bytes(tree, -node.checkpoint_nbytes)
+        node.checkpoint, node.checkpoint_nbytes = None, 0
+        tree.version += 1
+        return True
+
     def _attach_snapshot(
-        self, tree: _Tree, parent: Node, m: int, key: bytes, prep: _Prepared
+        self, tree: _Tree, parent: Node, m: int, key: bytes, prep: planning.Prepared
     ) -> bool:
         ends_here = m * TOKEN == len(key)
         replaces = ends_here and parent.terminal
@@ -484,7 +538,7 @@ class PromptCache:
                 excess = 0  # a whole sequence has to go
             elif excess <= 0:
                 return True
-            if not self._evict_one(excess):
+            if not self._evict_one(excess) and not (excess > 0 and self._drop_checkpoint()):
                 return False
 
     def _evict_one(self, excess: int = 0) -> bool:
@@ -574,7 +628,7 @@ class PromptCache:
             parent = node.parent
             detach(node)
             tree.version += 1
-            self._add_bytes(tree, -node.segment_nbytes)
+            self._add_bytes(tree, -(node.segment_nbytes + node.checkpoint_nbytes))
             node = parent
 
     def _add_bytes(self, tree: _Tree, delta: int) -> None:
@@ -596,84 +650,3 @@ class PromptCache:
 def _owned_by_one(node: Node) -> bool:
     """Whether only the sequence below uses `node`: no branch, no end, no pin."""
     return not node.terminal and not node.pins and len(node.children) == 1
-
-
-# ---------------------------------------------------------------- planning
-
-
-def _plan_segments(w: Walk, asked: int) -> _Plan | None:
-    n = min(w.length, asked - 1)
-    if n <= 0:
-        return None
-    pinned, pieces = [], []
-    for node in w.nodes:
-        if node.start >= n:
-            break
-        pinned.append(node)
-        pieces.append((node.segment, min(node.depth, n) - node.start))
-    end = w.nodes[-1]
-    if end.terminal and w.length == end.depth:
-        kind: Kind = "exact" if w.length == asked else "shorter"
-    else:
-        kind = "longer"
-    # The reused tokens belong to one cached sequence alone when no branch
-    # follows: that sequence counts as used.
-    used = end
-    while not used.terminal and len(used.children) == 1:
-        (used,) = used.children.values()
-    return _Plan(kind, n, pinned, used, pieces=pieces)
-
-
-def _plan_snapshot(w: Walk, asked: int) -> _Plan | None:
-    limit = asked - 1
-    best: _Plan | None = None
-    for node in reversed(w.nodes):
-        if not node.terminal or node.depth > w.length:
-            continue
-        if node.depth <= limit:
-            best = _Plan("shorter", node.depth, [node], node, entry=node.entry)
-            break
-        if node.entry_trimmable:  # the exact sequence, trimmed by its last token
-            best = _Plan("exact", limit, [node], node, entry=node.entry, trim=node.depth - limit)
-            break
-    n = min(w.length, limit)
-    if w.nodes and n > (best.n if best else 0):
-        longer = nearest(w.nodes[-1], lambda x: x.terminal and x.depth > n and x.entry_trimmable)
-        if longer is not None:
-            best = _Plan("longer", n, [longer], longer, entry=longer.entry, trim=longer.depth - n)
-    return best
-
-
-@dataclass
-class _Prepared:
-    """Copies made outside the lock for an insert."""
-
-    start: int = 0
-    segment: layers.Segment | None = None
-    split_of: Any = None
-    split_at: int = 0
-    halves: tuple[layers.Segment, layers.Segment] | None = None
-    entry: list[Any] | None = None
-    entry_nbytes: int = 0
-    entry_trimmable: bool = False
-
-
-def _prepare_insert(
-    layout: Layout, w: Walk, n: int, cache: list[Any], measure: Callable[[Any], int]
-) -> _Prepared:
-    if not layout.sliceable:
-        entry = layers.snapshot(cache)
-        return _Prepared(
-            entry=entry, entry_nbytes=measure(entry), entry_trimmable=layers.can_trim(entry)
-        )
-    prep = _Prepared(start=w.length)
-    if w.length < n:
-        prep.segment = layers.slice_segment(cache, w.length, n)
-        if w.partial:
-            end = w.nodes[-1]
-            prep.split_of, prep.split_at = end.segment, w.length - end.start
-            prep.halves = (
-                layers.cut_segment(end.segment, 0, prep.split_at),
-                layers.cut_segment(end.segment, prep.split_at),
-            )
-    return prep

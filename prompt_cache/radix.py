@@ -93,6 +93,9 @@ class Node:
     entry: Any = None  # a whole-sequence snapshot ending here (snapshot mode)
     entry_nbytes: int = 0
     entry_trimmable: bool = False
+    checkpoint: Any = None  # a hybrid model's other layers after this edge (checkpointed mode)
+    checkpoint_nbytes: int = 0
+    checkpoint_used: int = 0  # when it was last stored or resumed from (the cache's clock)
     terminal: bool = False  # a cached sequence ends here
     pins: int = 0  # running fetches/inserts using this node; it is not removed while > 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
 
 from prompt_cache import LRUPromptCache, PackedTokens, PromptCache
 from tests.fakes import BYTES_PER_TOKEN, held, kv_cache, same_state
@@ -287,7 +287,7 @@ def test_bad_inserts_are_refused_clearly():
         cache.insert("m", [1, 2, 3, 4], kv_cache([1, 2, 3]))
     cache.insert("m", [1, 2], kv_cache([1, 2]))
     with pytest.raises(ValueError, match="clear it"):
-        cache.insert("m", [1, 2, 3], [RotatingKVCache(max_size=8)])
+        cache.insert("m", [1, 2, 3], rotating([1, 2, 3]))
     with pytest.raises(ValueError, match="at least one layer"):
         cache.insert("m", [1], [])
 
@@ -325,39 +325,46 @@ def rotating(tokens, max_size=16):
     return [layer]
 
 
-def test_snapshot_mode_for_rotating_caches():
+def test_snapshot_mode_for_windows_that_keep_their_start():
+    def kept(tokens):
+        layer = RotatingKVCache(max_size=16, keep=2)
+        (kv,) = kv_cache(tokens)[:1]
+        for i in range(len(tokens)):
+            layer.update_and_fetch(kv.keys[..., i : i + 1, :], kv.values[..., i : i + 1, :])
+        return [layer]
+
     cache = PromptCache()
     short = [1, 2, 3, 4, 5]
-    cache.insert("r", short, rotating(short))
+    cache.insert("r", short, kept(short))
     found = cache.fetch("r", short + [6, 7])
     assert found.kind == "shorter" and found.n_cached == 5
     assert found.cache[0].offset == 5
     # A longer stored sequence is trimmed back while the window has not wrapped.
     longer = short + [6, 7, 8]
-    cache.insert("r", longer, rotating(longer))
+    cache.insert("r", longer, kept(longer))
     found = cache.fetch("r", short + [6, 9])
     assert found.kind == "longer" and found.n_cached == 6 and found.cache[0].offset == 6
     k, _ = found.cache[0].state[:2]
     assert np.array_equal(np.array(k[..., :6, :]), held(kv_cache(longer[:6])[:1])[0][0])
 
 
-def test_snapshot_mode_for_state_space_caches():
+def test_windows_and_state_space_layers_are_checkpointed():
+    # (tests/unit/test_prompt_cache_hybrid.py has the checkpointed mode's own tests.)
     def ssm(tokens):
         layer = ArraysCache(2)
         layer[0] = mx.array([[float(sum(tokens))]])
         layer[1] = mx.array([[float(len(tokens))]])
-        return [layer, KVCache()]  # hybrid: an empty attention layer beside it
+        return [layer, *rotating(tokens)]
 
     cache = PromptCache()
     seq = [3, 4, 5]
     cache.insert("s", seq, ssm(seq))
-    assert cache.fetch("s", seq).kind == "miss"  # cannot be trimmed to leave a token
+    assert cache.fetch("s", seq).kind == "miss"  # no checkpoint leaves a token to run
     found = cache.fetch("s", seq + [6])
     assert found.kind == "shorter" and found.n_cached == 3
-    assert found.cache[0][0].item() == 12.0
+    assert found.cache[0][0].item() == 12.0 and found.cache[1].offset == 3
     found.cache[0][0] = mx.array([[0.0]])  # the caller's copy only
     assert cache.fetch("s", seq + [6]).cache[0][0].item() == 12.0
-    assert cache.nbytes == 2 * 4
 
 
 def test_lru_prompt_cache_is_a_drop_in_for_mlx_lm():

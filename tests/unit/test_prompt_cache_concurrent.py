@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prompt_cache import PromptCache, layers, manager
+from prompt_cache import PromptCache, layers, planning
 from prompt_cache.radix import iter_nodes
 from tests.fakes import BYTES_PER_TOKEN, kv_cache, same_state
 
@@ -75,18 +75,18 @@ class InterleavedOperations(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "cache"))
     @rule(model=st.sampled_from(MODELS), tokens=tokens_st, racer=racer_st)
     def insert_racing(self, model, tokens, racer):
-        original = manager._prepare_insert
+        original = planning.prepare_insert
 
         def prepare_while_another_runs(*args):
-            manager._prepare_insert = original  # the racer's own insert runs unraced
+            planning.prepare_insert = original  # the racer's own insert runs unraced
             run(self.cache, racer)
             return original(*args)
 
-        manager._prepare_insert = prepare_while_another_runs
+        planning.prepare_insert = prepare_while_another_runs
         try:
             self.cache.insert(model, tokens, kv_cache(tokens))
         finally:
-            manager._prepare_insert = original
+            planning.prepare_insert = original
         if racer[0] == "clear" and racer[1] in (model, None):
             # The flush came after this insert began: nothing of it may survive the flush
             # unnoticed, so it either stored nothing or stored it where a fetch finds it.

@@ -1,0 +1,135 @@
+"""What a fetch will build and what an insert copies, decided from a walk of the tree.
+
+Pure functions over `radix` nodes: the manager calls them under its lock (plans) or
+outside it (copies), and applies what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import checkpoints, layers
+from .layers import Layout
+from .radix import Node, Walk, nearest
+
+Kind = Literal["exact", "shorter", "longer", "miss"]
+
+
+@dataclass
+class Plan:
+    """What a fetch will build, decided under the lock and built outside it."""
+
+    kind: Kind
+    n: int
+    pinned: list[Node]
+    used: Node | None  # the cached sequence's node this fetch counts as a use of
+    pieces: list[tuple[layers.Segment, int]] = field(default_factory=list)
+    entry: list[Any] | None = None
+    trim: int = 0
+    saved: list[Any] | None = None  # checkpointed mode: the other layers' state at `n`
+
+
+def plan_segments(w: Walk, asked: int) -> Plan | None:
+    n = min(w.length, asked - 1)
+    if n <= 0:
+        return None
+    pinned, pieces = [], []
+    for node in w.nodes:
+        if node.start >= n:
+            break
+        pinned.append(node)
+        pieces.append((node.segment, min(node.depth, n) - node.start))
+    end = w.nodes[-1]
+    if end.terminal and w.length == end.depth:
+        kind: Kind = "exact" if w.length == asked else "shorter"
+    else:
+        kind = "longer"
+    # The reused tokens belong to one cached sequence alone when no branch
+    # follows: that sequence counts as used.
+    used = end
+    while not used.terminal and len(used.children) == 1:
+        (used,) = used.children.values()
+    return Plan(kind, n, pinned, used, pieces=pieces)
+
+
+def plan_checkpointed(w: Walk, asked: int) -> Plan | None:
+    resume = checkpoints.resume_point(w, asked)
+    if resume is None:
+        return None
+    n = resume.depth
+    plan = plan_segments(w, n + 1)  # the KV layers' pieces up to `n`, kind and use as there
+    plan.n, plan.saved = n, resume.checkpoint
+    end = w.nodes[-1]
+    if end.terminal and w.length == end.depth:
+        plan.kind = "exact" if w.length == asked else "shorter"
+    return plan
+
+
+def plan_snapshot(w: Walk, asked: int) -> Plan | None:
+    limit = asked - 1
+    best: Plan | None = None
+    for node in reversed(w.nodes):
+        if not node.terminal or node.depth > w.length:
+            continue
+        if node.depth <= limit:
+            best = Plan("shorter", node.depth, [node], node, entry=node.entry)
+            break
+        if node.entry_trimmable:  # the exact sequence, trimmed by its last token
+            best = Plan("exact", limit, [node], node, entry=node.entry, trim=node.depth - limit)
+            break
+    n = min(w.length, limit)
+    if w.nodes and n > (best.n if best else 0):
+        longer = nearest(w.nodes[-1], lambda x: x.terminal and x.depth > n and x.entry_trimmable)
+        if longer is not None:
+            best = Plan("longer", n, [longer], longer, entry=longer.entry, trim=longer.depth - n)
+    return best
+
+
+@dataclass
+class Prepared:
+    """Copies made outside the lock for an insert."""
+
+    start: int = 0
+    segment: layers.Segment | None = None
+    split_of: Any = None
+    split_at: int = 0
+    halves: tuple[layers.Segment, layers.Segment] | None = None
+    entry: list[Any] | None = None
+    entry_nbytes: int = 0
+    entry_trimmable: bool = False
+    checkpoint: list[Any] | None = None
+    checkpoint_nbytes: int = 0
+
+
+def prepare_insert(
+    layout: Layout, w: Walk, n: int, cache: list[Any], measure: Callable[[Any], int]
+) -> Prepared:
+    if layout.checkpointed:
+        prep = prepare_segment(w, n, layers.kv_part(layout, cache), always_split=True)
+        prep.checkpoint = layers.checkpoint(layout, cache)
+        prep.checkpoint_nbytes = measure(prep.checkpoint)
+        return prep
+    if not layout.sliceable:
+        entry = layers.snapshot(cache)
+        return Prepared(
+            entry=entry, entry_nbytes=measure(entry), entry_trimmable=layers.can_trim(entry)
+        )
+    return prepare_segment(w, n, cache)
+
+
+def prepare_segment(w: Walk, n: int, kv: list[Any], always_split: bool = False) -> Prepared:
+    """The segment of tokens [w.length, n) of the KV layers `kv`, and the halves of the edge
+    the walk stopped in (`always_split`: also when the sequence ends there)."""
+    prep = Prepared(start=w.length)
+    if w.length < n:
+        prep.segment = layers.slice_segment(kv, w.length, n)
+    if w.partial and (w.length < n or always_split):
+        end = w.nodes[-1]
+        prep.split_of, prep.split_at = end.segment, w.length - end.start
+        prep.halves = (
+            layers.cut_segment(end.segment, 0, prep.split_at),
+            layers.cut_segment(end.segment, prep.split_at),
+        )
+    return prep

@@ -1,0 +1,214 @@
+"""The cache for hybrid models: attention layers shared by prefix, sliding windows and
+recurrent state checkpointed; against the state a fresh prefill reaches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+from prompt_cache import PromptCache
+from prompt_cache.layers import layout_of
+from prompt_cache.radix import iter_nodes
+from tests.fakes import kv_cache
+
+WINDOW = 4
+
+
+def hybrid_cache(tokens: list[int], chunk: int = 3) -> list:
+    """[attention, sliding window, recurrent state], fed `tokens` `chunk` at a time as a
+    prefill feeds a model (one at a time: as decoding does)."""
+    (kv,) = kv_cache(tokens)[:1]
+    window = RotatingKVCache(max_size=WINDOW)
+    state = ArraysCache(2)
+    state[0], state[1] = mx.zeros((1, 1)), mx.zeros((1, 1))
+    feed(window, state, tokens, 0, chunk)
+    return [kv, window, state]
+
+
+def feed(window, state, tokens, start, chunk):
+    """Run tokens[start:] into the window and state layers of a cache."""
+    (full,) = kv_cache(tokens)[:1]
+    for at in range(start, len(tokens), chunk):
+        end = min(at + chunk, len(tokens))
+        window.update_and_fetch(full.keys[..., at:end, :], full.values[..., at:end, :])
+        for t in tokens[at:end]:
+            state[0] = state[0] * 3 + t + 1  # depends on every token before, in order
+        state[1] = state[1] + (end - at)
+
+
+def window_of(layer) -> np.ndarray:
+    """The window's last min(offset, max_size) keys, in order of the tokens."""
+    keys = layer._temporal_order(layer.keys)
+    return np.array(keys[..., -min(layer.offset, layer.max_size) :, :])
+
+
+def same_as_fresh(cache, tokens) -> bool:
+    want = hybrid_cache(tokens)
+    kv, window, state = cache
+    n = len(tokens)
+    states = zip(state.cache, want[2].cache, strict=True)
+    return (
+        kv.offset == n
+        and np.array_equal(np.array(kv.keys[..., :n, :]), np.array(want[0].keys[..., :n, :]))
+        and window.offset == n
+        and np.array_equal(window_of(window), window_of(want[1]))
+        and all(np.array_equal(np.array(a), np.array(b)) for a, b in states)
+    )
+
+
+SYSTEM = list(range(10, 40))
+
+
+def test_the_layout_says_what_is_checkpointed():
+    layout = layout_of(hybrid_cache([1, 2, 3]))
+    assert layout.checkpointed and not layout.sliceable and layout.kv == (0,)
+    assert layout.mode() == ("hybrid: 1 attention layers shared by prefix, 1 sliding-window "
+                             "and 1 recurrent-state layers checkpointed")  # fmt: skip
+    kept = RotatingKVCache(max_size=8, keep=2)
+    kept.update_and_fetch(*(mx.zeros((1, 1, 3, 4)),) * 2)
+    assert not layout_of([kept]).checkpointed  # what `keep` holds: whole snapshots
+
+
+def test_a_prompt_resumes_where_a_checkpoint_is_and_goes_on_as_a_fresh_one():
+    cache = PromptCache()
+    prompt = SYSTEM + [1, 2, 3, 4, 5]
+    cache.insert("h", prompt, hybrid_cache(prompt))
+    found = cache.fetch("h", prompt + [6, 7])
+    assert (found.kind, found.n_cached) == ("shorter", len(prompt))
+    assert same_as_fresh(found.cache, prompt)
+    # Going on from the restored cache gives what a fresh prefill of it all does.
+    longer = prompt + [6, 7, 8, 9, 10]
+    kv, window, state = found.cache
+    feed(window, state, longer, len(prompt), 2)
+    assert np.array_equal(window_of(window), window_of(hybrid_cache(longer)[1]))
+    assert np.array_equal(np.array(state[0]), np.array(hybrid_cache(longer)[2][0]))
+    # The same prompt again: no checkpoint leaves a token to run, so it is a miss...
+    assert cache.fetch("h", prompt).kind == "miss"
+    # ...until one is stored a token before its end, as the engine does.
+    cache.insert("h", prompt[:-1], hybrid_cache(prompt[:-1]))
+    found = cache.fetch("h", prompt)
+    assert found.n_cached == len(prompt) - 1 and same_as_fresh(found.cache, prompt[:-1])
+
+
+def test_two_conversations_share_the_attention_kv_of_a_checkpointed_prefix():
+    cache = PromptCache()
+    a, b = SYSTEM + [1, 1, 1], SYSTEM + [2, 2, 2, 2]
+    cache.insert("h", SYSTEM, hybrid_cache(SYSTEM))  # the engine's checkpoint at the system's end
+    cache.insert("h", a, hybrid_cache(a))
+    found = cache.fetch("h", b)
+    assert found.n_cached == len(SYSTEM) and same_as_fresh(found.cache, SYSTEM)
+    cache.insert("h", b, hybrid_cache(b))
+    nodes = list(iter_nodes(cache._trees["h"].root))
+    kv_bytes = sum(n.segment_nbytes for n in nodes)
+    per_token = kv_bytes // (len(SYSTEM) + 3 + 4)
+    assert per_token * (len(SYSTEM) + 3 + 4) == kv_bytes  # the prefix's KV is stored once
+    assert sorted(n.depth for n in nodes if n.checkpoint is not None) == [
+        len(SYSTEM), len(a), len(b)]  # fmt: skip
+    assert cache.nbytes == kv_bytes + sum(n.checkpoint_nbytes for n in nodes)
+
+
+def test_the_caller_owns_what_it_fetched():
+    cache = PromptCache()
+    prompt = SYSTEM + [1, 2]
+    cache.insert("h", prompt, hybrid_cache(prompt))
+    first = cache.fetch("h", prompt + [3]).cache
+    feed(first[1], first[2], prompt + [9] * 6, len(prompt), 1)  # in place, as decoding writes
+    assert same_as_fresh(cache.fetch("h", prompt + [3]).cache, prompt)
+
+
+def test_a_long_conversation_drops_its_least_used_checkpoints_to_go_on():
+    one = PromptCache()
+    one.insert("h", SYSTEM, hybrid_cache(SYSTEM))
+    budget = one.nbytes * 3
+    cache = PromptCache(max_bytes=budget)
+    tokens = list(SYSTEM)
+    cache.insert("h", tokens, hybrid_cache(tokens))
+    cache.fetch("h", SYSTEM + [99])  # the system prompt's checkpoint, used again
+    for turn in range(12):
+        tokens += [turn + 1] * 5
+        assert cache.insert("h", tokens, hybrid_cache(tokens))  # room made, never refused
+        assert cache.nbytes <= budget
+        found = cache.fetch("h", tokens + [0])
+        assert found.n_cached == len(tokens) and same_as_fresh(found.cache, tokens)
+    nodes = list(iter_nodes(cache._trees["h"].root))
+    held = sorted(n.depth for n in nodes if n.checkpoint is not None)
+    assert held[-1] == len(tokens) and len(held) < 13  # the end kept; older ones gone
+    assert cache.nbytes == sum(n.segment_nbytes + n.checkpoint_nbytes for n in nodes)
+
+
+def test_the_byte_budget_holds_and_eviction_frees_checkpoints():
+    one = PromptCache()
+    one.insert("h", SYSTEM + [1], hybrid_cache(SYSTEM + [1]))
+    budget = int(one.nbytes * 2.5)
+    cache = PromptCache(max_bytes=budget)
+    for i in range(6):
+        seq = [100 + i, *SYSTEM]  # nothing shared
+        cache.insert("h", seq, hybrid_cache(seq))
+        assert cache.nbytes <= budget
+    assert 1 <= len(cache) < 6
+    cache.clear()
+    assert cache.nbytes == 0 and len(cache) == 0
+
+
+tokens_st = st.lists(st.integers(0, 3), min_size=1, max_size=14)
+
+
+class HybridCacheHolds(RuleBasedStateMachine):
+    """Any inserts, fetches and trims: every fetch is the fresh state of what it covers,
+    resumes at a checkpoint, and bytes are what the tree holds, within the budget."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PromptCache(max_sequences=4, max_bytes=12_000)
+        self.last = None
+
+    @rule(tokens=tokens_st, chunk=st.integers(1, 5), prefix=st.integers(0, 13))
+    def insert(self, tokens, chunk, prefix):
+        if 0 < prefix < len(tokens):  # a checkpoint inside the prompt, as the engine takes
+            self.cache.insert("h", tokens[:prefix], hybrid_cache(tokens[:prefix], chunk))
+        if self.cache.insert("h", tokens, hybrid_cache(tokens, chunk)):
+            self.last = tokens
+
+    @rule(tokens=tokens_st)
+    def fetch(self, tokens):
+        found = self.cache.fetch("h", tokens)
+        if found.cache is None:
+            return
+        assert 0 < found.n_cached < len(tokens)
+        assert same_as_fresh(found.cache, tokens[: found.n_cached])
+
+    @rule(extra=st.integers(0, 3))
+    def the_last_insert_resumes_at_its_end(self, extra):
+        if self.last is not None:
+            assert self.cache.fetch("h", self.last + [extra]).n_cached == len(self.last)
+
+    @rule(n=st.integers(0, 3))
+    def trim(self, n):
+        self.cache.trim_to(n_sequences=n)
+        self.last = None
+
+    @invariant()
+    def bytes_are_what_the_tree_holds(self):
+        tree = self.cache._trees.get("h")
+        nodes = list(iter_nodes(tree.root)) if tree is not None else []
+        total = sum(n.segment_nbytes + n.checkpoint_nbytes for n in nodes)
+        assert self.cache.nbytes == total <= 12_000
+        assert all(n.pins == 0 for n in nodes)
+
+
+HybridCacheHolds.TestCase.settings = settings(max_examples=60, stateful_step_count=25,
+                                              deadline=None)  # fmt: skip
+test_hybrid_cache_holds = HybridCacheHolds.TestCase
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_a_window_restored_from_any_chunking_matches(chunk):
+    cache = PromptCache()
+    prompt = SYSTEM[:11]
+    cache.insert("h", prompt, hybrid_cache(prompt, chunk))
+    assert same_as_fresh(cache.fetch("h", prompt + [0]).cache, prompt)
