@@ -201,9 +201,9 @@ class Batch:
         if alone and not request.followers and short:
             self._start_alone(request, cached or fresh_cache(engine.model), n, sampler, processors)
             return
-        segments = [tokens[n:]]
-        if n < request.boundary < len(tokens):
-            segments = [tokens[n : request.boundary], tokens[request.boundary :]]
+        marks = (request.boundary, *request.params.checkpoints)
+        cuts = sorted({p for p in marks if n < p < len(tokens)})
+        segments = [tokens[a:b] for a, b in zip([n, *cuts], [*cuts, len(tokens)], strict=True)]
         (request.uid,) = self.gen.insert_segments(
             [segments],
             max_tokens=[p.max_tokens],
@@ -224,10 +224,15 @@ class Batch:
         token, then let it decode; the seconds the prefill took."""
         engine, tokens = self.engine, request.tokens
         start = time.perf_counter()
+
+        def checkpoint(at: int) -> None:
+            self._store(request, (cache, tokens[:at]))
+
         with mx.stream(self.gen.stream):
             first, logprobs = prefill_alone(
-                engine.model, tokens, cache, n, engine.prefill_step_size, sampler, processors
-            )
+                engine.model, tokens, cache, n, engine.prefill_step_size, sampler, processors,
+                request.params.checkpoints, checkpoint,
+            )  # fmt: skip
         seconds = time.perf_counter() - start
         if request.fault is not None:
             self._fail_faulted(request)
@@ -424,11 +429,14 @@ class Batch:
         awaited = (cached and progress.end_of_prompt) or (
             request.followers and progress.end_of_segment
         )
+        # A hybrid model's prompt is cut into segments where it is to be checkpointed.
+        checkpoint = cached and progress.end_of_segment and bool(request.params.checkpoints)
         # Beside running streams its KV goes into the cache chunk by chunk too, each step
         # copying its own chunk's: the whole prompt's copy, taken at its first token, fell
         # into one step the streams waited for (bench/README.md, "One forward pass for a
         # chunk and the streams' step").
-        if awaited or (cached and self._beside_streams(request)):
+        chunked = cached and not request.params.checkpoints and self._beside_streams(request)
+        if awaited or checkpoint or chunked:
             self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
         if awaited:
             self._release(request)

@@ -18,11 +18,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
-from prompt_cache import PromptCache
+from prompt_cache import PromptCache, fresh_cache
+from prompt_cache.layers import mode_of
 
 from ..runtime import memory
 from .batch import Batch
@@ -67,6 +69,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.cache = cache
+        # How the cache stores this model: "prefix" (attention only), "checkpointed" (a
+        # hybrid: its other layers' state stored where `checkpoints_of` says) or "snapshot".
+        self.cache_mode = mode_of(fresh_cache(model))
         self.context_length = context_length
         self.min_shared_prefix = min_shared_prefix
         self.prefill_step_size = prefill_step_size  # the largest prefill chunk
@@ -188,6 +193,15 @@ class Engine:
         """The prompt-cache key of this model for a tenant: tenants never share state."""
         return self.model_id if namespace is None else (self.model_id, namespace)
 
+    def checkpoints_of(self, n: int, marks: tuple[int, ...]) -> tuple[int, ...]:
+        """Where a prompt of `n` tokens is stored while prefilling: for a hybrid model, at
+        `marks` (the serving layer's message ends) and a token before its end (the point
+        the same prompt sent again resumes from); nowhere for others, which resume at any
+        token of what they stored."""
+        if self.cache is None or self.cache_mode != "checkpointed":
+            return ()
+        return tuple(sorted({p for p in (*marks, n - 1) if 0 < p < n}))
+
     def submit(
         self,
         tokens: list[int],
@@ -195,6 +209,8 @@ class Engine:
         emit: Callable,
         namespace: str | None = None,
     ) -> Request:
+        # Decided here, in the parameters a sharded server's other ranks are handed.
+        params = replace(params, checkpoints=self.checkpoints_of(len(tokens), params.checkpoints))
         request = Request(list(tokens), params, emit, self.cache_key(namespace))
         with self._closing:
             if self._closed:  # the thread has taken its last request

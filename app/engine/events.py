@@ -27,6 +27,10 @@ class SamplingParams:
     # A logits processor the output must follow (a `constraint.GrammarProcessor`), built for
     # this request off the engine's thread: compiling a grammar can take long.
     constraint: Any = None
+    # Where a hybrid model's cache is stored while prefilling the prompt: where its
+    # messages end (the serving layer finds them), and a token before its end (the
+    # engine adds it): a request sharing less than the whole prompt resumes there.
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass

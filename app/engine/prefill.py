@@ -13,7 +13,7 @@ forward pass. (bench/README.md, "First token", has the measurements.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -30,14 +30,21 @@ def prefill_alone(
     step: int,
     sampler: Callable,
     processors: list[Callable],
+    checkpoints: Sequence[int] = (),
+    at_checkpoint: Callable[[int], None] | None = None,
 ) -> tuple[int, mx.array]:
     """Run `tokens[n_cached:]` into `cache` in chunks of `step`; the first token and its
-    logprobs (one row)."""
-    *chunks, last = range(n_cached, len(tokens), step)
-    for at in chunks:  # evaluated one by one: activations stay one step's size
-        model(mx.array(tokens[at : at + step])[None], cache=cache)
+    logprobs (one row). A chunk also ends at each of `checkpoints`, where
+    `at_checkpoint(position)` is called with the cache holding that many tokens."""
+    marks = {p for p in checkpoints if n_cached < p < len(tokens)}
+    bounds = sorted({*range(n_cached, len(tokens), step), *marks})
+    for at, end in zip(bounds[:-1], bounds[1:], strict=True):
+        # Evaluated one by one: activations stay one step's size.
+        model(mx.array(tokens[at:end])[None], cache=cache)
         mx.eval([c.state for c in cache])
-    logits = last_logits(model, mx.array(tokens[last:])[None], cache)
+        if end in marks and at_checkpoint is not None:
+            at_checkpoint(end)
+    logits = last_logits(model, mx.array(tokens[bounds[-1] :])[None], cache)
     token, logprobs = sample(logits, tokens, sampler, processors)
     return int(token.item()), logprobs[0]
 

@@ -31,6 +31,8 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+from prompt_cache.layers import mode_of
+
 from .batch import State, deliver, store
 from .chunking import StepCosts, chunk_size
 from .events import Failed, Finished, Started
@@ -50,15 +52,19 @@ KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports
 KV_GROUP_SIZES = (32, 64, 128)
 
 
-def quantized_cache(model: Any, group_size: int, bits: int) -> list[QuantizedKVCache]:
-    """An empty cache for `model` whose every layer quantizes its KV as it is written."""
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds != {KVCache.__name__}:
+def quantized_cache(model: Any, group_size: int, bits: int) -> list[Any]:
+    """An empty cache for `model` whose attention layers quantize their KV as it is
+    written; a hybrid model's other layers (sliding windows, recurrent state) as they are."""
+    cache = make_prompt_cache(model)
+    if mode_of(cache) == "snapshot":
+        kinds = {type(c).__name__ for c in cache}
         raise ValueError(
-            f"--kv-bits needs a model whose layers all keep a plain KV cache; "
-            f"this one keeps {', '.join(sorted(kinds))}. Leave --kv-bits out for it."
+            f"--kv-bits needs a model whose layers keep a plain KV cache, a sliding window "
+            f"or a recurrent state; this one keeps {', '.join(sorted(kinds))}. Leave "
+            "--kv-bits out for it."
         )
-    return [QuantizedKVCache(group_size=group_size, bits=bits) for _ in make_prompt_cache(model)]
+    return [QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
+            for c in cache]  # fmt: skip
 
 
 def check_quantized(model: Any, group_size: int, bits: int) -> None:
@@ -172,10 +178,16 @@ class Solo:
         decoding = any(not r.prefilling for r in self.runs.values())
         chunk = chunk_size(self.costs, decoding, engine.decode_gap, engine.min_prefill_chunk,
                            engine.prefill_step_size, depth=at)  # fmt: skip
+        # A hybrid model's chunk ends where its cache is to be checkpointed, and is stored there.
+        mark = next((p for p in request.params.checkpoints if p > at), None)
+        if mark is not None:
+            chunk = min(chunk, mark - at)
         if len(tokens) - at > chunk:
             engine.model(mx.array(tokens[at : at + chunk])[None], cache=run.cache)
             mx.eval([c.state for c in run.cache])
             run.fed = tokens[: at + chunk]
+            if at + chunk == mark:
+                store(engine, request, (run.cache, run.fed))
             return chunk
         logits = last_logits(engine.model, mx.array(tokens[at:])[None], run.cache)
         run.fed = list(tokens)

@@ -233,6 +233,11 @@ def build_engine(
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
     )
+    if cache is not None and engine.cache_mode != "prefix":
+        log.info("prompt cache for this model: %s", _mode_in_words(engine))
+        if cache.disk is not None:
+            log.warning("the disk tier keeps attention-only models' caches: this model's "
+                        "stays in RAM")  # fmt: skip
     if group is not None:
         engine.sharded = True
         if group.rank() == 0:
@@ -240,6 +245,13 @@ def build_engine(
         else:
             engine.steps = FollowerSteps(group, cache, engine.grammars, engine.stats)
     return engine
+
+
+def _mode_in_words(engine: Engine) -> str:
+    if engine.cache_mode == "checkpointed":
+        return ("attention layers shared by prefix; sliding-window and recurrent-state layers "
+                "checkpointed where messages end")  # fmt: skip
+    return "whole-sequence snapshots (reused only where a stored sequence ends)"
 
 
 def weights_dtype(model) -> str:

@@ -19,12 +19,13 @@ from fastapi import Request
 from pydantic import Field
 
 from ..engine import Delta, Event, Failed, Finished, Started
-from .chat import ChatCompletionsServing, chat_request, message_chars, render
+from .chat import ChatCompletionsServing, chat_request, message_chars
 from .errors import APIError
 from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
 from .limits import check_model, check_prompt_chars
 from .schemas import ChatCompletionRequest, TextRequest, ToolCallDelta, _Request
 from .sse import EventStream
+from .template import render
 from .tools import plan_tools
 
 ROUTE = "/v1/messages"

@@ -13,7 +13,6 @@ from pydantic import ValidationError
 
 from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
 from ..engine.constraint import GrammarProcessor, build_constraint
-from . import attribution, prompted_tools
 from .errors import APIError
 from .generation import (
     RequestContext,
@@ -46,12 +45,12 @@ from .schemas import (
 )
 from .sse import EventStream, sse_stream
 from .structured import response_format_grammar
+from .template import render_marked
 from .tools import (
     ToolCallText,
     ToolPlan,
     forced_call,
     plan_tools,
-    template_tool_calls,
     tool_call,
 )
 
@@ -115,8 +114,8 @@ class ChatCompletionsServing(Surface):
             # into a grammar takes what it takes, and must hold up nobody else.
             tools = await off_loop(plan_tools, req, engine)
             grammar = tools.grammar or await off_loop(response_format_grammar, req.response_format)
-            tokens = await off_loop(
-                render, engine, req, tools, settings.strip_attribution_header,
+            tokens, marks = await off_loop(
+                render_marked, engine, req, tools, settings.strip_attribution_header,
                 settings.chat_template_kwargs,
             )  # fmt: skip
             params = sampling_params(
@@ -129,6 +128,7 @@ class ChatCompletionsServing(Surface):
                 defaults=self.defaults,
                 prompt_param="messages",
             )
+            params.checkpoints = marks
             # A grammar that shapes the whole reply; `auto`'s lazy one leaves text free.
             shaped = grammar is not None and not tools.lazy
             if grammar is not None:
@@ -319,66 +319,12 @@ def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _message(m: ChatMessage, index: int) -> dict[str, Any]:
-    if isinstance(m.content, list):
-        texts = []
-        for j, part in enumerate(m.content):
-            if part.type != "text" or part.text is None:
-                raise APIError(
-                    400,
-                    f"Only text content parts are supported; got a '{part.type}' part.",
-                    param=f"messages[{index}].content[{j}]",
-                )
-            texts.append(part.text)
-        content = "".join(texts)
-    else:
-        content = m.content or ""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-    out["content"] = content
-    for key in ("name", "tool_call_id"):
-        if getattr(m, key) is not None:
-            out[key] = getattr(m, key)
-    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-    if reasoning is not None and m.role == "assistant":  # for templates that write it back
-        out["reasoning_content"] = reasoning
-    if m.tool_calls is not None:
-        out["tool_calls"] = template_tool_calls(m.tool_calls)
-    return out
-
-
 def message_chars(m: ChatMessage) -> int:
     """Characters of a message the template renders: a bound on its tokens' count."""
     thinking = len(m.reasoning_content or m.reasoning or "")  # rendered too, by some templates
     if isinstance(m.content, list):
         return thinking + sum(len(part.text or "") for part in m.content)
     return thinking + len(m.content or "")
-
-
-def render(
-    engine: Engine,
-    req: ChatCompletionRequest,
-    tools: ToolPlan,
-    strip_attribution: bool = False,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """The prompt's tokens: the messages (and tools) through the model's chat template,
-    with the model's configured template variables (`enable_thinking`, say)."""
-    messages = [_message(m, i) for i, m in enumerate(req.messages)]
-    if strip_attribution:
-        messages = attribution.strip_attribution(messages)
-    if not tools.templated:
-        messages = prompted_tools.history(messages, tools.prompted or [])
-    kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": True}
-    if tools.tools:
-        kwargs["tools"] = tools.tools
-    try:
-        tokens = engine.tokenizer.apply_chat_template(messages, **kwargs)
-    except Exception as e:  # the model's own template refused these messages
-        raise APIError(
-            400, f"The chat template rejected the messages: {e}", param="messages"
-        ) from e
-    # A forced call in the model's own markup: its opening marker is already written.
-    return list(tokens) + engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
 
 
 def _logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:

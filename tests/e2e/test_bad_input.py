@@ -157,7 +157,7 @@ def test_an_unexpected_error_is_a_500_that_says_only_what_the_client_can_use(
     def broken(*args):
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(chat, "render", broken)
+    monkeypatch.setattr(chat, "render_marked", broken)
     r = post(server, GOOD)
     err = assert_error(r, 500)
     assert err["type"] == "server_error" and "secret" not in err["message"]

@@ -47,14 +47,14 @@ def test_requests_arriving_together_get_the_slots_there_are_and_429s(small, stre
 
 def test_a_prompt_being_tokenized_does_not_stall_other_clients(small, monkeypatch):
     entered, release = threading.Event(), threading.Event()
-    real = chat.render
+    real = chat.render_marked
 
     def slow_render(*args):
         entered.set()
         assert release.wait(30)
         return real(*args)
 
-    monkeypatch.setattr(chat, "render", slow_render)
+    monkeypatch.setattr(chat, "render_marked", slow_render)
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(httpx.post, small.url + "/v1/chat/completions", json=CHAT, timeout=60)
         assert entered.wait(30)
@@ -72,7 +72,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(
     def never(*args):
         raise AssertionError("tokenized a prompt that could never fit")
 
-    monkeypatch.setattr(chat, "render", never)
+    monkeypatch.setattr(chat, "render_marked", never)
     limit = 2 * small.engine.context_length * small.engine.max_token_chars
     # A reasoning model's thinking sent back is rendered too: it counts as content does.
     long = {"role": "assistant", "content": "ok", where: "a" * (limit + 1)}

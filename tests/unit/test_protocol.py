@@ -10,7 +10,6 @@ from pydantic import ValidationError
 
 from app.engine import SamplingParams
 from app.server.errors import _param
-from app.serving.chat import _message
 from app.serving.defaults import SamplingDefaults
 from app.serving.errors import APIError
 from app.serving.limits import check_prompt_chars, sampling_params
@@ -26,6 +25,7 @@ from app.serving.schemas import (
     PromptTokensDetails,
     Usage,
 )
+from app.serving.template import template_message as _message
 from app.settings import Settings
 
 ENGINE = SimpleNamespace(context_length=100, vocab_size=50, max_token_chars=4)

@@ -65,6 +65,9 @@ class CacheReport(BaseModel):
     max_sequences: int | None = None
     max_bytes: int | None = None
     kv_bits: int | None = None  # the KV's quantization (`--kv-bits`); None: full precision
+    # How the model's layers are stored: "prefix" (attention: any prefix reusable),
+    # "checkpointed" (a hybrid: reusable where a checkpoint was stored) or "snapshot".
+    mode: str | None = None
     sequences: int = 0
     bytes: int = 0
     models: list[ModelCacheStats] = []
@@ -126,6 +129,7 @@ async def cache_stats(state: State, model: str | None = None) -> CacheReport:
         max_sequences=cache.max_sequences,
         max_bytes=cache.byte_budget,
         kv_bits=served.engine.kv_bits,
+        mode=served.engine.cache_mode,
         sequences=len(cache),
         bytes=cache.nbytes,
         models=models,

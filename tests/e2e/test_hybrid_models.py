@@ -1,0 +1,143 @@
+"""Hybrid models (sliding windows, linear attention, Mamba, convolutions beside attention),
+built tiny from mlx-lm's own classes: greedy replies with the cache equal those without it,
+and each request reuses at least what mlx_lm.server would.
+
+What mlx_lm.server 0.32 reuses on these models is computed from the tokens: it stores a
+conversation's cache where the system prompt ends, a token before each prompt's end,
+before a thinking block the generation prompt opens, and at the end of each reply, and
+a request resumes from the longest of those its prompt starts with.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from prompt_cache.radix import common_prefix_length
+from tests.hybrid_models import ARCHS, build_hybrid_model
+from tests.live import serving
+
+SYSTEM = "You are a careful assistant; answer briefly and cite your sources. " * 5
+CONVERSATIONS = [["Hi there.", "Tell me more.", "And then?"], ["What is 2+2?", "Why?"]]
+# Qwen3's with thinking off: the generation prompt holds an empty thinking block that the
+# turn, written back, does not.
+THINK_OFF = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}"
+    "{% endif %}"
+)
+
+
+class Peer:
+    """What mlx_lm.server has stored, as token sequences, and what it would reuse."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.stored = tokenizer, []
+
+    def render(self, messages, generation=True):
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation))
+
+    def reuse(self, prompt: list[int]) -> int:
+        fits = [len(s) for s in self.stored if len(s) < len(prompt) and prompt[: len(s)] == s]
+        return max(fits, default=0)
+
+    def answered(self, messages, prompt: list[int], reply: str) -> None:
+        system = self.render([*messages[:1], {"role": "user", "content": ""}], generation=False)
+        self.stored.append(prompt[: common_prefix_length(system, prompt)])
+        self.stored.append(prompt[:-1])
+        head = self.render([*messages, {"role": "assistant", "content": ""}], generation=False)
+        self.stored.append(prompt[: common_prefix_length(head, prompt)])  # before a think block
+        self.stored.append(prompt + self.tokenizer.encode(reply, add_special_tokens=False))
+
+
+def converse(url: str, peer: Peer | None) -> list[tuple[str, int, int]]:
+    """The conversations, a regenerate of each one's last turn and an edit of its second:
+    (reply, prompt tokens, cached tokens) for each request, checked against the peer."""
+    out = []
+
+    def ask(messages):
+        body = {"model": "m", "messages": messages, "max_tokens": 10, "temperature": 0}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        r = r.json()
+        text, usage = r["choices"][0]["message"]["content"], r["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        out.append((text, usage["prompt_tokens"], cached))
+        if peer is not None:
+            prompt = peer.render(messages)
+            assert usage["prompt_tokens"] == len(prompt)
+            assert cached >= peer.reuse(prompt), (len(out), cached, peer.reuse(prompt))
+            peer.answered(messages, prompt, text)
+        return text
+
+    for questions in CONVERSATIONS:
+        messages = [{"role": "system", "content": SYSTEM}]
+        for q in questions:
+            messages += [{"role": "user", "content": q}]
+            messages += [{"role": "assistant", "content": ask(messages)}]
+        ask(messages[:-1])  # regenerate
+        ask([*messages[:3], {"role": "user", "content": "Something else."}])  # an edit
+    return out
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_dir(request, tmp_path_factory):
+    return build_hybrid_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_greedy_replies_equal_no_cache_and_reuse_is_at_least_the_peers(arch_dir):
+    tokenizer = load_tokenizer(arch_dir)
+    with serving(str(arch_dir), served_model_name="m") as live:
+        assert live.engine.cache_mode == "checkpointed"
+        cached = converse(live.url, Peer(tokenizer))
+    with serving(str(arch_dir), served_model_name="m", no_cache=True) as live:
+        fresh = converse(live.url, None)
+    assert [c[0] for c in cached] == [f[0] for f in fresh]
+    # Not only as much as the peer: a second conversation starts from the system prompt.
+    second = len(CONVERSATIONS[0]) + 2
+    assert cached[second][2] >= len(tokenizer.encode(SYSTEM)) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
+def test_a_template_that_writes_the_generation_prompt_back_otherwise(arch, tmp_path):
+    import json
+
+    path = build_hybrid_model(tmp_path / arch, arch)
+    config = path / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": THINK_OFF}))
+    tokenizer = load_tokenizer(path)
+    with serving(str(path), served_model_name="m") as live:
+        cached = converse(live.url, Peer(tokenizer))
+    with serving(str(path), served_model_name="m", no_cache=True) as live:
+        fresh = converse(live.url, None)
+    assert [c[0] for c in cached] == [f[0] for f in fresh]
+    # Each later turn resumed inside the previous one's prompt, past its last message.
+    assert all(c[2] > 0 for c in cached[1:3])
+
+
+def test_the_budget_holds_with_checkpoints(tmp_path):
+    path = build_hybrid_model(tmp_path / "gpt_oss", "gpt_oss")
+    budget = 300_000
+    with serving(str(path), served_model_name="m", cache_max_bytes=budget) as live:
+        converse(live.url, None)
+        assert 0 < live.engine.cache.nbytes <= budget
+
+
+def test_quantized_attention_beside_recurrent_layers(tmp_path):
+    """--kv-bits quantizes a hybrid model's attention layers; its other layers stay as they
+    are, checkpointed as without it."""
+    path = build_hybrid_model(tmp_path / "qwen3_5", "qwen3_5", head_dim=32)  # a group's width
+    quantized = {"served_model_name": "m", "kv_bits": 8, "kv_group_size": 32}
+    with serving(str(path), **quantized) as live:
+        cached = converse(live.url, None)
+    with serving(str(path), **quantized, no_cache=True) as live:
+        fresh = converse(live.url, None)
+    assert [c[0] for c in cached] == [f[0] for f in fresh]
+    # Each turn resumes past the previous prompt (this path stores a reply without its last
+    # token, whose KV was never computed), a new conversation at the system prompt's end.
+    assert cached[1][2] > cached[0][1] and cached[2][2] > cached[1][1]
+    second = len(CONVERSATIONS[0]) + 2
+    assert cached[second][2] >= len(load_tokenizer(path).encode(SYSTEM))
