@@ -18,6 +18,7 @@ peak RSS, and whether greedy outputs match across servers.
 
     python bench/multiturn.py            # full run (tens of minutes on 2 CPU cores)
     python bench/multiturn.py --quick    # a smaller run
+    python bench/multiturn.py --hybrid gemma3_text   # a tiny random hybrid model instead
 """
 
 from __future__ import annotations
@@ -390,12 +391,13 @@ def peer_cache_bytes(log: Path) -> int:
     return max((int(float(gb) * 1e9) for gb in found), default=0)
 
 
-def add_ceilings(calls: list[Call], tokenizer) -> None:
+def add_ceilings(calls: list[Call], tokenizer) -> int:
     """Tokens a perfect cache could have reused for each call, from the token streams.
 
     Everything sent earlier in the run counts, as the server's cache keeps it across
     workloads: a request of an earlier wave has ended, so its reply could be reused too;
-    one of the same wave (sent together) offers its prompt only.
+    one of the same wave (sent together) offers its prompt only. Returns the distinct
+    tokens of the run (every prefix counted once).
     """
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     seen: list[tuple[int, list[int], int]] = []  # (wave, prompt + reply, prompt length)
@@ -408,6 +410,10 @@ def add_ceilings(calls: list[Call], tokenizer) -> None:
         c.ceiling = min(best, len(prompt) - 1)
         reply = tokenizer.encode(c.reply, add_special_tokens=False)
         seen.append((c.wave, prompt + reply + eos, len(prompt)))
+    streams = sorted(tokens for _, tokens, _ in seen)
+    # Tokens a store sharing every prefix once holds: each stream's own past the one before.
+    pairs = zip([[], *streams[:-1]], streams, strict=True)
+    return sum(len(b) - common_prefix_length(a, b) for a, b in pairs)
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -539,6 +545,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", default=None, help="model folder (default: the embedded one)")
+    ap.add_argument("--hybrid", default=None, metavar="ARCH",
+                    help="a random-weight hybrid model of this mlx-lm architecture "
+                         "(tests/hybrid_models.py: gemma3_text, gpt_oss, qwen3_5, nemotron_h, "
+                         "lfm2, ...), 8 layers wide 256")  # fmt: skip
     ap.add_argument(
         "--servers",
         default="ours,ours-nocache,peer",
@@ -560,6 +570,8 @@ def main() -> None:
         report(args.report)
         return
     model = args.model or str(default_model_dir())
+    if args.hybrid:
+        model = str(hybrid_model(args.hybrid))
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(Path(model))  # renders chat templates as the servers do
@@ -568,21 +580,53 @@ def main() -> None:
     workloads = Workloads(args.quick, only, args.unique)
     budget = args.cache_max_bytes or per_token * overflow_budget_tokens(workloads, tokenizer)
     tag = ("quick" if args.quick else "full") + (f"_w{''.join(sorted(only))}" if only else "")
+    tag += f"_{args.hybrid}" if args.hybrid else ""
     servers: dict[str, Server] = {}
     for kind in args.servers.split(","):
         print(f"[{kind}] starting", flush=True)
         name = "bench" if kind != "peer" else model
         with running(kind, model, args.cache_max_sequences, budget) as server:
             asyncio.run(workloads.run(server, name))
-        add_ceilings(server.calls, tokenizer)
+        distinct = add_ceilings(server.calls, tokenizer)
         servers[kind] = server
         print(f"[{kind}] done: {len(server.calls)} requests, peak RSS {server.peak_rss >> 20} MiB")
         # Saved after each server, so a later server's failure keeps the runs done so far.
         summary, mismatches = save(RESULTS / f"multiturn_{tag}.json", budget, servers)
     print_table(summary, servers, mismatches, budget)
+    llama = per_token * distinct  # every token once, every layer full attention
+    print(
+        "cache bytes at most, against a llama of the same attention width holding every "
+        f"token of the run once ({llama / 2**20:.1f} MiB): "
+        + ", ".join(f"{k} {s.cache_bytes_peak / llama:.2f}x" for k, s in servers.items())
+    )
     if only is None and "peer" in servers:  # the plots compare all workloads with the peer
         for f in plot(summary, servers, RESULTS):
             print(f"wrote {f}")
+
+
+def hybrid_model(arch: str) -> Path:
+    """A tiny random hybrid model folder (8 layers, hidden 256), built once per arch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.hybrid_models import CONFIGS, build_hybrid_model
+
+    folder = Path(tempfile.gettempdir()) / f"bench-hybrid-{arch}"
+    if (folder / "config.json").exists():
+        return folder
+    wider = {"hidden_size": 256, "intermediate_size": 512}
+    if "hybrid_override_pattern" in CONFIGS[arch]:
+        wider["hybrid_override_pattern"] = "M-M*-M*-"  # 8 blocks: Mamba, MLP and attention
+    elif "layer_types" in CONFIGS[arch]:
+        kinds = CONFIGS[arch]["layer_types"]
+        wider["num_hidden_layers"] = 8
+        wider["layer_types"] = (kinds * 8)[:8]
+        if "full_attn_idxs" in CONFIGS[arch]:
+            wider["full_attn_idxs"] = [i for i, k in enumerate(wider["layer_types"])
+                                       if k == "full_attention"]  # fmt: skip
+    else:
+        wider["num_hidden_layers"] = 8
+    if arch == "lfm2":
+        wider.update(block_dim=256, block_ff_dim=512)
+    return build_hybrid_model(folder, arch, **wider)
 
 
 def save(path: Path, budget: int, servers: dict[str, Server]) -> tuple[dict, dict]:
