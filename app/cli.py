@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from signal import SIGINT, SIGTERM
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .server.loader import ServedModel
@@ -197,6 +197,28 @@ def import_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def follow(settings: Settings, path: str, group: Any) -> int:
+    """A rank other than 0: run the steps rank 0 hands over until it stops; the exit status."""
+    from .server.build import build_engine
+
+    # Ctrl-C on the launcher reaches every rank: rank 0 drains its requests, then tells
+    # this one to stop; stopping here first would fail them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = build_engine(settings, path, group)
+    except ValueError as e:  # rank 0 says the same, and stops too
+        log.error("%s", e)
+        return 2
+    with contextlib.suppress(ValueError):  # built now, not in a step rank 0 waits on
+        engine.grammars.get()
+    log.info("rank %d of %d (pid %d): following rank 0", group.rank(), group.size(), os.getpid())
+    engine.run()  # here, on the main thread: this rank has nothing else to do
+    if engine.failure is not None:
+        log.error("rank %d stopped: %s", group.rank(), engine.failure)
+        return 1
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
@@ -207,7 +229,7 @@ def serve(args: argparse.Namespace) -> int:
     from .server.app import create_app
     from .server.connections import uvicorn_config
     from .server.loader import fetched_path, model_pool
-    from .server.sharded import follow, launched_group, refusal, watch
+    from .server.sharded import launched_group, refusal, watch
     from .serving.metrics import Metrics
     from .serving.warm import load_warm_prompts
     from .settings import load_settings

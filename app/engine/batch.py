@@ -43,7 +43,7 @@ from .text import StopMatcher
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .engine import Engine
+    from .host import Host
 
 log = logging.getLogger("mlx_cache_server.engine")
 
@@ -52,7 +52,7 @@ SIDE_UIDS = 1 << 48  # the side batch numbers its sequences from here: one `acti
 
 
 class Batch:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Host) -> None:
         self.engine = engine
         self.gen = MixedGenerator(engine.model, **engine.batch_args)
         self.side = MixedGenerator(engine.model, **engine.batch_args)
@@ -491,7 +491,7 @@ class Batch:
 
 
 def deliver(
-    engine: Engine,
+    engine: Host,
     request: Request,
     token: int,
     logprobs: mx.array,
@@ -515,7 +515,7 @@ def deliver(
     return True
 
 
-def store(engine: Engine, request: Request, state: State | None) -> None:
+def store(engine: Host, request: Request, state: State | None) -> None:
     """Put a sequence's KV into the cache, for the next turn or for waiting requests."""
     cache = engine.cache
     if cache is None or state is None or not state[0] or not state[1]:

@@ -44,7 +44,7 @@ from .text import StopMatcher
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .engine import Engine
+    from .host import Host
 
 log = logging.getLogger("mlx_cache_server.engine")
 
@@ -102,7 +102,7 @@ class _Run:
 class Solo:
     """The `Batch` interface (`intake`, `step`, `drop_cancelled`, `active`) for quantized KV."""
 
-    def __init__(self, engine: Engine, group_size: int, bits: int) -> None:
+    def __init__(self, engine: Host, group_size: int, bits: int) -> None:
         self.engine = engine
         self.group_size, self.bits = group_size, bits
         self.active: dict[int, Request] = {}

@@ -7,37 +7,25 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from prompt_cache import PromptCache, layers
-from prompt_cache.disk import DiskTier, DiskTierBusy, DiskTierUnavailable
-
 from ..engine import Engine
-from ..engine.sharded import FollowerSteps, LeaderSteps, rank_bytes
-from ..engine.solo import check_quantized
-from ..models.fingerprint import kv_fingerprint
 from ..models.pool import ModelPool
 from ..models.specs import ModelSpec
-from ..models.specs import model_id as model_id_of
-from ..runtime import cpu_activations, cpu_attention, cpu_fast_path, cpu_logprobs
-from ..serving.defaults import generation_config, model_folder
 from ..serving.metrics import Metrics
 from ..serving.schemas import ErrorResponse
 from ..settings import Settings
 from . import errors, routes
 from .auth import authorize
 from .connections import HeaderLimit
-from .loader import CONTEXT_KEYS, ModelLoader, ServedModel, serve_engine
+from .loader import ModelLoader, ServedModel, serve_engine
 from .middleware import BodyLimit, RequestCounter
-from .sharded import load_shard
 from .state import ServerState
 
 log = logging.getLogger("mlx_cache_server")
@@ -176,95 +164,3 @@ def _sweeping(pool: ModelPool):
             task.cancel()
 
     return lifespan
-
-
-def build_engine(
-    settings: Settings, model_path: str, group: mx.distributed.Group | None = None
-) -> Engine:
-    """The engine for the model at `model_path`; with `group`, for this rank's shard of it
-    (`sharded`), its steps decided by rank 0."""
-    from mlx_lm import load
-
-    if group is None:
-        model, tokenizer = load(model_path)
-    else:
-        model, tokenizer = load_shard(model_path, group, settings.pipeline)
-    fast = settings.cpu_fast_path
-    cpu_attention.enabled = cpu_activations.enabled = cpu_logprobs.enabled = fast
-    if fast and mx.default_device() == mx.cpu:
-        if not cpu_fast_path.install(model):
-            log.warning("this model's attention cannot take the CPU fast path: MLX's is used")
-    folder = model_folder(model_path)
-    model_config = generation_config(folder) if folder is not None else {}
-    context = settings.context_length or context_length_of(model)
-    model_id = settings.served_model_name or model_id_of(model_path)
-    if settings.kv_bits is not None:
-        check_quantized(model, settings.kv_group_size, settings.kv_bits)
-    cache = None
-    if not settings.no_cache:
-        disk = None
-        if settings.cache_dir:
-            root = Path(settings.cache_dir).expanduser()
-            kv = {"bits": settings.kv_bits, "group_size": settings.kv_group_size}
-            fingerprint = kv_fingerprint(folder, model_path, model, kv, served_as=model_id)
-            try:
-                disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
-            except DiskTierBusy as e:  # two servers writing one index would corrupt it
-                log.warning("disk tier off: %s; give each server its own --cache-dir", e)
-            except DiskTierUnavailable as e:
-                log.warning("disk tier off: %s; serving from RAM alone (give --cache-dir a "
-                            "writable folder to keep the cache across restarts)", e)  # fmt: skip
-        measure = layers.nbytes
-        if group is not None:
-            measure = rank_bytes(model, group, settings.pipeline)
-        cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk, measure)
-    engine = Engine(
-        model,
-        tokenizer,
-        model_id=model_id,
-        cache=cache,
-        context_length=context,
-        completion_batch_size=settings.completion_batch_size,
-        prefill_batch_size=settings.prefill_batch_size,
-        prefill_step_size=settings.prefill_step_size,
-        decode_gap=settings.decode_gap,
-        max_prefill_wait=settings.max_prefill_wait,
-        generation_config=model_config,
-        kv_bits=settings.kv_bits,
-        kv_group_size=settings.kv_group_size,
-    )
-    if cache is not None and engine.cache_mode != "prefix":
-        log.info("prompt cache for this model: %s", _mode_in_words(engine))
-        if cache.disk is not None:
-            log.warning("the disk tier keeps attention-only models' caches: this model's "
-                        "stays in RAM")  # fmt: skip
-    if group is not None:
-        engine.sharded = True
-        if group.rank() == 0:
-            engine.steps = LeaderSteps(engine.local_steps, group, cache, engine.stats)
-        else:
-            engine.steps = FollowerSteps(group, cache, engine.grammars, engine.stats)
-    return engine
-
-
-def _mode_in_words(engine: Engine) -> str:
-    if engine.cache_mode == "checkpointed":
-        return ("attention layers shared by prefix; sliding-window and recurrent-state layers "
-                "checkpointed where messages end")  # fmt: skip
-    return "whole-sequence snapshots (reused only where a stored sequence ends)"
-
-
-def weights_dtype(model) -> str:
-    from mlx.utils import tree_flatten
-
-    kinds = {str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())}
-    return "/".join(sorted(kinds))
-
-
-def context_length_of(model: Any) -> int:
-    args = getattr(model, "args", None)
-    for name in CONTEXT_KEYS:
-        value = getattr(args, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 4096

@@ -29,9 +29,9 @@ from ..serving.metrics import Metrics
 from ..serving.response_store import ResponseStore
 from ..serving.responses import ResponsesServing
 from ..settings import Settings, describe_size
+from .build import build_engine, context_length_of, weights_dtype
 
 log = logging.getLogger("mlx_cache_server")
-CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "context_length")  # configs name it so
 
 
 @dataclass(eq=False)
@@ -132,7 +132,6 @@ class ModelLoader:
                 raise
 
     def open(self, spec: ModelSpec) -> ServedModel:
-        from .app import build_engine
 
         settings = self.settings_of(spec)
         # Fetched first (its files say what kind of model it is), as the pool does; again
@@ -209,7 +208,6 @@ class ModelLoader:
         from mlx_lm import load
 
         from ..runtime import cpu_attention
-        from .app import context_length_of
 
         model, tokenizer = load(path)
         if _bidirectional(path):  # mlx-lm's ModelArgs drop the flag: its config keeps it
@@ -337,8 +335,6 @@ def _safetensors_bytes(folder: Path) -> int:
 def _describe(served: ServedModel, path: str) -> None:
     """The startup log's lines about one model: what it runs on, samples with and caches."""
     import mlx.core as mx
-
-    from .app import weights_dtype
 
     engine, settings = served.engine, served.settings
     log.info(

@@ -9,10 +9,7 @@ a quantized KV cache run outside the batch) is refused at start.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,28 +77,6 @@ def check_heads(config: dict[str, Any], processes: int) -> None:
                 "processes: launch a number of them that divides it, or split by layers "
                 "(--pipeline) if mlx-lm can for this model"
             )
-
-
-def follow(settings: Settings, path: str, group: mx.distributed.Group) -> int:
-    """A rank other than 0: run the steps rank 0 hands over until it stops; the exit status."""
-    from .app import build_engine
-
-    # Ctrl-C on the launcher reaches every rank: rank 0 drains its requests, then tells
-    # this one to stop; stopping here first would fail them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        engine = build_engine(settings, path, group)
-    except ValueError as e:  # rank 0 says the same, and stops too
-        log.error("%s", e)
-        return 2
-    with contextlib.suppress(ValueError):  # built now, not in a step rank 0 waits on
-        engine.grammars.get()
-    log.info("rank %d of %d (pid %d): following rank 0", group.rank(), group.size(), os.getpid())
-    engine.run()  # here, on the main thread: this rank has nothing else to do
-    if engine.failure is not None:
-        log.error("rank %d stopped: %s", group.rank(), engine.failure)
-        return 1
-    return 0
 
 
 def watch(engine: Any, timeout: float, on_failure: Callable[[str], None]) -> None:

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends
 from ...models.pool import ModelState
 from ...serving.schemas import ModelCard, ModelList
 from ..auth import Admin, authorize
-from ..loader import CONTEXT_KEYS, local_folder
+from ..build import CONTEXT_KEYS
+from ..loader import local_folder
 from ..state import ServerState, State, pool_errors
 
 router = APIRouter(tags=["models"], dependencies=[Depends(authorize)])
