@@ -81,11 +81,11 @@ def build_engine(
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
     )
-    if cache is not None and engine.cache_mode != "prefix":
-        log.info("prompt cache for this model: %s", _mode_in_words(engine))
-        if cache.disk is not None:
-            log.warning("the disk tier keeps attention-only models' caches: this model's "
-                        "stays in RAM")  # fmt: skip
+    if cache is not None:
+        log.info("prompt cache for %s: %s", model_id, _mode_in_words(engine))
+    if cache is not None and cache.disk is not None and engine.cache_mode != "prefix":
+        log.warning("the disk tier keeps attention-only models' caches: this model's "
+                    "stays in RAM")  # fmt: skip
     if group is not None:
         engine.sharded = True
         if group.rank() == 0:
@@ -96,6 +96,8 @@ def build_engine(
 
 
 def _mode_in_words(engine: Engine) -> str:
+    if engine.cache_mode == "prefix":
+        return "attention layers, any stored prefix reusable"
     if engine.cache_mode == "checkpointed":
         return ("attention layers shared by prefix; sliding-window and recurrent-state layers "
                 "checkpointed where messages end")  # fmt: skip
