@@ -217,3 +217,14 @@ def nearest(start: Node, accept: Callable[[Node], bool]) -> Node | None:
             return best
         level = nxt
     return best
+
+
+Tokens = Sequence[int] | PackedTokens
+"""A token list (or tuple, numpy or mlx array), or tokens packed once (`PackedTokens`)."""
+
+
+def packed_key(tokens: Tokens | Any) -> bytes:
+    """Packed tokens from a list, tuple, numpy or mlx array, or as they come."""
+    if isinstance(tokens, PackedTokens):
+        return tokens
+    return pack(tokens.tolist() if hasattr(tokens, "tolist") else tokens)

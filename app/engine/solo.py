@@ -33,9 +33,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from prompt_cache.layers import mode_of
 
-from .batch import State, deliver, store
 from .chunking import StepCosts, chunk_size
 from .events import Failed, Finished, Started
+from .exits import State, deliver, store
 from .last_logits import last_logits
 from .prefill import sample
 from .request import Request

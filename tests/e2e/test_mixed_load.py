@@ -140,7 +140,7 @@ def running_stream(tiny_model_dir: Any) -> tuple[Any, list[int], list[Any]]:
 
 
 def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch, caplog):
-    import app.engine.batch as batch_module
+    import app.engine.prompts as batch_module  # where the batch prefills a lone prompt
 
     long: list[Any] = []
     engine, tokens, running = running_stream(tiny_model_dir)
@@ -254,7 +254,9 @@ def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
         return placed[-1]
 
     stored: list[int] = []  # tokens of each KV the batch put into the cache
-    store = batch_module.store
+    import app.engine.exits as exits  # where the batch stores a sequence's KV
+
+    store = exits.store
 
     def storing(engine: Any, request: Any, state: Any) -> None:
         stored.append(len(state[1]) if state else 0)
@@ -268,7 +270,7 @@ def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
         batches.append(self)
 
     monkeypatch.setattr(batch_module, "place", place)
-    monkeypatch.setattr(batch_module, "store", storing)
+    monkeypatch.setattr(exits, "store", storing)
     monkeypatch.setattr(batch_module.Batch, "__init__", recorded)
     engine = build_engine(Settings(decode_gap=1e-9), str(tiny_model_dir))
     tokenizer = engine.tokenizer
@@ -378,17 +380,18 @@ def test_a_long_prompts_chunks_run_in_the_streams_pass_and_change_no_output(
 
 
 def test_a_prompt_prefilled_beside_streams_is_cached_chunk_by_chunk(tiny_model_dir, monkeypatch):
-    import app.engine.batch as batch_module
 
     stored: list[int] = []  # tokens of each state the long prompt's request put in the cache
-    store = batch_module.store
+    import app.engine.exits as exits  # where the batch stores a sequence's KV
+
+    store = exits.store
 
     def storing(engine: Any, request: Any, state: Any) -> None:
         if request.tokens == long_prompt:
             stored.append(len(state[1]))
         store(engine, request, state)
 
-    monkeypatch.setattr(batch_module, "store", storing)
+    monkeypatch.setattr(exits, "store", storing)
     engine = build_engine(Settings(decode_gap=1e-9), str(tiny_model_dir))
     tokenizer = engine.tokenizer
     no_end = {t: -100.0 for t in tokenizer.eos_token_ids}

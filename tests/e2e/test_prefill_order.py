@@ -152,7 +152,7 @@ def test_a_prompt_prefilled_in_the_batch_is_cached_before_its_reply_ends(tiny_mo
 def test_requests_taken_from_the_queue_are_answered_when_admitting_them_fails(
     tiny_model_dir, monkeypatch
 ):
-    import app.engine.batch as batch
+    import app.engine.entering as batch  # where the batch plans admissions
 
     engine = build_engine(Settings(prefill_step_size=16), str(tiny_model_dir))
     real, calls = batch.plan_admission, []

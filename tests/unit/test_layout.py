@@ -12,12 +12,8 @@ MAX_CLASS, MAX_MODULE = 250, 450
 # What is still over the bounds (issue 40), each at most as large as it is now: the list
 # only shrinks. Anything not listed is held to the bounds.
 OVER = {
-    "app/engine/batch.py": 530,
-    "app/engine/batch.py:Batch": 440,
     "app/engine/engine.py:Engine": 310,
     "app/models/pool.py:ModelPool": 325,
-    "prompt_cache/manager.py": 655,
-    "prompt_cache/manager.py:PromptCache": 510,
     "prompt_cache/disk.py": 515,
     "prompt_cache/disk.py:DiskTier": 406,
 }

@@ -1,0 +1,165 @@
+"""A prompt's prefill in the batch: a lone prompt prefilled whole and its first token
+sampled from its own logits (`prefill.prefill_alone`), the last chunk of a long one
+taken out of the generator to end the same way, and the prompt's KV stored into the
+cache as it goes (at its end, at a prefix others wait for, at a hybrid model's
+checkpoints, or chunk by chunk beside decoding streams).
+
+`PromptSteps` is a part of `Batch` (its methods run on the batch's generators and
+`active`, and call its `_place`, `_prefilling`, `_release` and `_fail_start`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from prompt_cache import as_fresh
+
+from .exits import State
+from .placement import MAIN
+from .prefill import prefill_alone
+from .request import Request
+
+if TYPE_CHECKING:
+    from .generator import MixedGenerator
+    from .host import Host
+
+log = logging.getLogger("mlx_cache_server.engine")
+
+
+class PromptSteps:
+    engine: Host
+    gen: MixedGenerator
+    side: MixedGenerator
+    active: dict[int, Request]
+
+    def _start_alone(self, request: Request, cache: list, n: int, sampler, processors) -> float:
+        """Prefill the prompt after its first `n` tokens in `cache` and sample its first
+        token, then let it decode; the seconds the prefill took."""
+        engine, tokens = self.engine, request.tokens
+        start = time.perf_counter()
+
+        def checkpoint(at: int) -> None:
+            self._store(request, (cache, tokens[:at]))
+
+        with mx.stream(self.gen.stream):
+            first, logprobs = prefill_alone(
+                engine.model, tokens, cache, n, engine.prefill_step_size, sampler, processors,
+                request.params.checkpoints, checkpoint,
+            )  # fmt: skip
+        seconds = time.perf_counter() - start
+        if request.fault is not None:
+            self._fail_faulted(request)
+            return seconds
+        finish = "stop" if first in engine.tokenizer.eos_token_ids else None
+        if finish is None and request.params.max_tokens <= 1:
+            finish = "length"
+        if self._deliver(request, first, logprobs, finish, lambda: (cache, tokens)):
+            return seconds
+        gen = self.gen if self._place(len(tokens)) == MAIN else self.side
+        (request.uid,) = gen.insert(
+            [[first]],
+            max_tokens=[request.params.max_tokens - 1],
+            caches=[cache],
+            all_tokens=[list(tokens)],  # BatchGenerator appends to it
+            samplers=[sampler],
+            logits_processors=[processors],
+        )
+        self.active[request.uid] = request
+        # Cached now, not only when it ends: requests that arrived during this
+        # prefill (chats opening with this system prompt, say) reuse it at once.
+        self._store(request, (cache, tokens))
+        return seconds
+
+    def _last_chunk(self, chunk: int) -> Request | None:
+        """The prompt whose prefill ends with this step, if it is the only one prefilling
+        and no request waits for a prefix boundary still ahead in it.
+
+        It is taken out of the batch and finished alone (`_finish_prefill`): its first
+        token comes from its last chunk's logits, not from a one-token step after it, and
+        reaches the client before it joins a decode batch (`_place`); the join could copy a
+        whole batch's KV (bench/README.md, "Running streams beside a long prefill").
+        """
+        prefilling = self._prefilling()
+        if len(prefilling) != 1:
+            return None
+        (request,) = prefilling
+        done = len(request.tokens) - request.left
+        if request.left > chunk or (request.followers and request.boundary > done):
+            return None
+        return request
+
+    def _take_out(self, request: Request) -> State:
+        """`request`'s KV and tokens, taken out of the batch. The cache is `as_fresh`: it joins
+        a batch again without a copy, and, the only holder of its buffers now, takes the
+        rest of the prompt in its buffers' free slots in place."""
+        cache, tokens = self.gen.remove([request.uid], return_prompt_caches=True)[request.uid]
+        return as_fresh(cache), tokens
+
+    def _finish_prefill(
+        self, request: Request, cache: list[Any], tokens: list[int]
+    ) -> float | None:
+        """Prefill the rest of `request`'s prompt after the KV `cache` holds for `tokens`,
+        then let it decode (`_start_alone`); the seconds its prefill took, None if it failed."""
+        del self.active[request.uid]
+        request.prefilling, request.left = False, 0
+        try:
+            sampler, processors = request.sampling()
+            seconds = self._start_alone(request, cache, len(tokens), sampler, processors)
+        except Exception:
+            log.exception("finishing a prompt's prefill failed")
+            self._fail_start(request)
+            return None
+        self._release(request)  # those waiting for its prefix: it is cached now
+        return seconds
+
+    def _prefill_depth(self, chunk: int) -> float:
+        """Where the tokens the next step prefills stand in their prompts, as their cost is
+        measured at: mlx-lm pads the prompts of a step to the deepest one, so every token
+        costs about what the deepest prompt's do. A prompt's last token is left out: the
+        batch runs it as a decode step, `_last_chunk` with the rest of the prompt."""
+        prefilling = [r for r in self._prefilling() if r.left > 1]
+        taken = [(len(r.tokens) - r.left, min(r.left - 1, chunk)) for r in prefilling]
+        taken = taken[: self.gen.prefill_batch_size]
+        if not taken:
+            return 0.0
+        return max(at for at, _ in taken) + max(n for _, n in taken) / 2
+
+    def _on_prefill(self, progress: Any) -> None:
+        request = self.active.get(progress.uid)
+        if request is None:
+            return
+        if not request.prefilling:
+            # Prefilled alone (`_start_alone`) and cached then: this is its first token
+            # entering the batch. Storing it again would only copy the same KV, and reading
+            # it from the batch would make this step evaluate the batch's join.
+            return
+        done, total = progress.progress
+        request.left = total - done
+        if progress.end_of_prompt:
+            request.prefilling = False
+        # Cached once prefilled, not only when it ends: a request that shares the prompt
+        # and arrives while this one decodes starts from it.
+        cached = self.engine.cache is not None
+        awaited = (cached and progress.end_of_prompt) or (
+            request.followers and progress.end_of_segment
+        )
+        # A hybrid model's prompt is cut into segments where it is to be checkpointed.
+        checkpoint = cached and progress.end_of_segment and bool(request.params.checkpoints)
+        # Beside running streams its KV goes into the cache chunk by chunk too, each step
+        # copying its own chunk's: the whole prompt's copy, taken at its first token, fell
+        # into one step the streams waited for (bench/README.md, "One forward pass for a
+        # chunk and the streams' step").
+        chunked = cached and not request.params.checkpoints and self._beside_streams(request)
+        if awaited or checkpoint or chunked:
+            self._store(request, self.gen.extract_cache([progress.uid]).get(progress.uid))
+        if awaited:
+            self._release(request)
+
+    def _beside_streams(self, request: Request) -> bool:
+        """`request` is the one prompt being prefilled, and streams are decoding."""
+        prefilling = self._prefilling()
+        return len(prefilling) == 1 and prefilling[0] is request and len(self.active) > 1

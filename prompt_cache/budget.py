@@ -1,0 +1,158 @@
+"""Keeping the cache within its limits: which sequence goes, when the end of one is cut
+instead, and when a hybrid model's checkpoint goes first.
+
+`Budget` is a part of `PromptCache` (its methods run under the cache's lock, on its
+trees, LRU order and byte count).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import checkpoints, layers
+from .radix import TOKEN, Node, detach, iter_nodes
+from .tree import ModelTree
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Hashable
+    from typing import Any
+
+    from .eviction import LRUOrder
+
+SHORTEN_COPY = 4  # most bytes copied per byte freed when cutting a sequence's end
+NO_LIMIT = 1 << 62
+
+
+class Budget:
+    disk: Any
+    max_sequences: int
+    max_bytes: int
+    measure: Callable[[Any], int]
+    _lock: Any
+    _trees: dict[Any, ModelTree]
+    _lru: LRUOrder[Node, ModelTree]
+    _nbytes: int
+    _shorten_copy: int
+
+    def clear(self, model: Hashable | None = None) -> None:
+        """Drop every cached sequence of `model` (of all models when None), on disk too.
+
+        State a running fetch is using is dropped when that fetch ends.
+        """
+        if self.disk is not None:
+            self.disk.clear(model)
+        with self._lock:
+            for key in [model] if model is not None else list(self._trees):
+                tree = self._trees.get(key)
+                if tree is None:
+                    continue
+                for node in [n for n in iter_nodes(tree.root) if n.terminal]:
+                    self._drop(tree, node)
+                if not tree.root.children:
+                    del self._trees[key]
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> int:
+        """Evict LRU sequences until at most `n_sequences` and `n_bytes` remain."""
+        seqs = NO_LIMIT if n_sequences is None else max(0, n_sequences)
+        nb = NO_LIMIT if n_bytes is None else max(0, n_bytes)
+        evicted = 0
+        with self._lock:
+            while len(self._lru) > seqs or self._nbytes > nb:
+                excess = 0 if len(self._lru) > seqs else self._nbytes - nb
+                if not self._evict_one(excess):
+                    break
+                evicted += 1
+        return evicted
+
+    def _make_room(self, need_bytes: int, need_sequences: int) -> bool:
+        if need_bytes > self.max_bytes or need_sequences > self.max_sequences:
+            return False
+        while True:
+            excess = self._nbytes + need_bytes - self.max_bytes
+            if len(self._lru) + need_sequences > self.max_sequences:
+                excess = 0  # a whole sequence has to go
+            elif excess <= 0:
+                return True
+            if not self._evict_one(excess) and not (excess > 0 and self._drop_checkpoint()):
+                return False
+
+    def _evict_one(self, excess: int = 0) -> bool:
+        """Make room from the LRU sequence: `excess` bytes off its end if > 0 and it can."""
+        found = self._lru.victim(lambda node: node.pins == 0)
+        if found is None:
+            return False
+        node, tree = found
+        if excess > 0 and self._shorten(tree, node, excess):
+            tree.stats.shortened += 1
+            return True
+        self._drop(tree, node)
+        tree.stats.evictions += 1
+        return True
+
+    def _shorten(self, tree: ModelTree, node: Node, excess: int) -> bool:
+        """Cut at least `excess` bytes off the end of the sequence ending at `node`.
+
+        Only what no other sequence and no running operation uses is cut: the
+        chain of single-child nodes above the leaf. Whole nodes go without a
+        copy; cutting into one copies what it keeps, and when that copy would
+        exceed `SHORTEN_COPY` times the bytes freed, the whole node goes instead.
+        False, with nothing changed, when the sequence has to go whole.
+        """
+        if not tree.layout.sliceable or node.children:
+            return False
+        owned = [node]  # deepest first
+        up = node.parent
+        while up is not None and up.parent is not None and _owned_by_one(up):
+            owned.append(up)
+            up = up.parent
+        tokens = sum(n.size for n in owned)
+        per_token = sum(n.segment_nbytes for n in owned) // tokens
+        if not per_token:
+            return False
+        cut = -(-excess // per_token)
+        if cut >= tokens:
+            return False
+        gone, part = 0, cut  # nodes dropped whole, from the bottom; tokens to cut into the next
+        while part >= owned[gone].size:
+            part -= owned[gone].size
+            gone += 1
+        end = owned[gone]
+        if part and (end.size - part) > self._shorten_copy * cut:
+            if gone + 1 == len(owned):
+                return False
+            gone, part = gone + 1, 0
+            end = owned[gone]
+        for dropped in owned[:gone]:
+            detach(dropped)
+            self._add_bytes(tree, -dropped.segment_nbytes)
+        if part:
+            keep = end.size - part
+            end.segment = layers.cut_segment(end.segment, 0, keep)
+            kept = self.measure(end.segment)
+            self._add_bytes(tree, kept - end.segment_nbytes)
+            end.segment_nbytes = kept
+            end.edge = end.edge[: keep * TOKEN]
+            end.depth -= part
+        if end is not node:
+            node.terminal, end.terminal = False, True
+            self._lru.replace(node, end)
+        tree.version += 1
+        return True
+
+    def _drop_checkpoint(self) -> bool:
+        """Free the checkpoint `checkpoints.first_to_drop` picks over all trees."""
+        found = [(n, tree) for tree in self._trees.values() if tree.layout.checkpointed
+                 for n in iter_nodes(tree.root)]  # fmt: skip
+        node = checkpoints.first_to_drop(n for n, _ in found)
+        if node is None:
+            return False
+        tree = next(t for n, t in found if n is node)
+        self._add_bytes(tree, -node.checkpoint_nbytes)
+        node.checkpoint, node.checkpoint_nbytes = None, 0
+        tree.version += 1
+        return True
+
+
+def _owned_by_one(node: Node) -> bool:
+    """Whether only the sequence below uses `node`: no branch, no end, no pin."""
+    return not node.terminal and not node.pins and len(node.children) == 1
