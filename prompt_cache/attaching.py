@@ -88,12 +88,12 @@ class Attaching:
             seg = layers.cut_segment(seg, m - prep.start)
         seg_nbytes = self.measure(seg)
         extends = parent.terminal
+        # Still a sequence while room is made (pinned, it is not evicted): its checkpoint is
+        # not one that goes first, and stays if the insert is refused.
+        if not self._make_room(seg_nbytes + prep.checkpoint_nbytes, 0 if extends else 1):
+            return False
         if extends:
             self._unmark(tree, parent)
-        if not self._make_room(seg_nbytes + prep.checkpoint_nbytes, 0 if extends else 1):
-            if extends:
-                self._mark(tree, parent)
-            return False
         child = add_child(parent, key[m * TOKEN :])
         tree.version += 1
         child.segment, child.segment_nbytes = seg, seg_nbytes

@@ -99,8 +99,7 @@ class Batch(Entering, PromptSteps, Exits):
         if alone and not request.followers and short:
             self._start_alone(request, cached or fresh_cache(engine.model), n, sampler, processors)
             return
-        marks = (request.boundary, *request.params.checkpoints)
-        cuts = sorted({p for p in marks if n < p < len(tokens)})
+        cuts = segment_cuts(n, len(tokens), request.boundary, request.params.checkpoints)
         segments = [tokens[a:b] for a, b in zip([n, *cuts], [*cuts, len(tokens)], strict=True)]
         (request.uid,) = self.gen.insert_segments(
             [segments],
@@ -212,3 +211,13 @@ class Batch(Entering, PromptSteps, Exits):
 
     # ----------------------------------------------------------------- exits
 
+
+def segment_cuts(n: int, end: int, boundary: int, checkpoints: tuple[int, ...]) -> list[int]:
+    """Where a prompt prefilled from `n` to `end` is cut into segments: at the prefix others
+    wait for, and at checkpoints that leave no segment of one token (a step of one-token
+    prompts updates sliding windows in place, which mlx-lm's next chunk does not expect)."""
+    cuts = {boundary} if n < boundary < end else set()
+    for p in sorted(checkpoints):
+        if n + 2 <= p < end and all(abs(p - c) >= 2 for c in cuts):
+            cuts.add(p)
+    return sorted(cuts)

@@ -27,8 +27,29 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchRotatingKVCache
 
 from ..runtime.forward_together import forward_together, logits, supports
+
+
+def _mask_in_order(make_mask: Any) -> Any:
+    """mlx-lm 0.32's `BatchRotatingKVCache.make_mask` for a chunk of several tokens reads the
+    window's fill index before the update puts a rotated window back in order: after a
+    step in which every prompt took one token (a hybrid model's prompt cut at its
+    checkpoints can make one), a padded prompt's mask is off by one and its tokens wrong.
+    Putting the window in order first, as the update would, makes the mask right."""
+
+    def in_order(self: Any, N: int, *args: Any, **kwargs: Any) -> Any:
+        if N > 1:
+            self._temporal_order()
+        return make_mask(self, N, *args, **kwargs)
+
+    in_order.patched = True
+    return in_order
+
+
+if not getattr(BatchRotatingKVCache.make_mask, "patched", False):
+    BatchRotatingKVCache.make_mask = _mask_in_order(BatchRotatingKVCache.make_mask)
 
 
 class MixedGenerator(BatchGenerator):

@@ -144,8 +144,10 @@ class PromptSteps:
         # Cached once prefilled, not only when it ends: a request that shares the prompt
         # and arrives while this one decodes starts from it.
         cached = self.engine.cache is not None
+        # Those waiting for a prefix are let in at its end, not at a checkpoint before it.
+        at_boundary = done >= request.boundary
         awaited = (cached and progress.end_of_prompt) or (
-            request.followers and progress.end_of_segment
+            request.followers and progress.end_of_segment and at_boundary
         )
         # A hybrid model's prompt is cut into segments where it is to be checkpointed.
         checkpoint = cached and progress.end_of_segment and bool(request.params.checkpoints)

@@ -141,3 +141,49 @@ def test_quantized_attention_beside_recurrent_layers(tmp_path):
     assert cached[1][2] > cached[0][1] and cached[2][2] > cached[1][1]
     second = len(CONVERSATIONS[0]) + 2
     assert cached[second][2] >= len(load_tokenizer(path).encode(SYSTEM))
+
+
+def test_segments_leave_no_one_token_step():
+    from app.engine.batch import segment_cuts
+
+    assert segment_cuts(0, 100, 0, (40, 98, 99)) == [40, 98]  # 99 is one past 98
+    assert segment_cuts(0, 100, 50, (49, 51, 60)) == [50, 60]  # the waited-for prefix first
+    assert segment_cuts(10, 100, 0, (11, 30)) == [30]  # one token after what was cached
+
+
+def test_a_batch_of_windows_after_one_token_steps_matches_a_lone_run(tmp_path):
+    """A prompt cut into one-token segments beside a padded one: mlx-lm's window mask went
+    wrong after such a step, until the engine's generator module fixed it."""
+    import random
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from app.engine.generator import MixedGenerator
+
+    model, _ = load(str(build_hybrid_model(tmp_path / "gemma3_text", "gemma3_text")))
+
+    def alone(prompt, k=5):
+        cache, out = make_prompt_cache(model), []
+        logits = model(mx.array(prompt)[None], cache=cache)
+        for _ in range(k):
+            out.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = model(mx.array([out[-1:]]), cache=cache)
+        return out
+
+    rng = random.Random(5)
+    b, c = [rng.randint(1, 40) for _ in range(37)], [rng.randint(1, 40) for _ in range(3)]
+    gen = MixedGenerator(model, max_tokens=5, prefill_step_size=16)
+    first = gen.insert_segments([[b[:16], b[16:17], b[17:24], b[24:36], b[36:]]], max_tokens=[5])
+    gen.next()
+    second = gen.insert_segments([[c[:1], c[1:2], c[2:]]], max_tokens=[5])
+    got = {first[0]: [], second[0]: []}
+    while True:
+        prompts, responses = gen.next()
+        if not prompts and not responses:
+            break
+        for r in responses:
+            got[r.uid].append(r.token)
+    gen.close()
+    assert got[first[0]] == alone(b) and got[second[0]] == alone(c)

@@ -212,3 +212,15 @@ def test_a_window_restored_from_any_chunking_matches(chunk):
     prompt = SYSTEM[:11]
     cache.insert("h", prompt, hybrid_cache(prompt, chunk))
     assert same_as_fresh(cache.fetch("h", prompt + [0]).cache, prompt)
+
+
+def test_a_refused_extension_leaves_the_sequence_it_extends_resumable():
+    one = PromptCache()
+    short = SYSTEM + [1] * 10
+    one.insert("h", short, hybrid_cache(short))
+    cache = PromptCache(max_bytes=int(one.nbytes * 1.5))
+    assert cache.insert("h", short, hybrid_cache(short))
+    longer = short + [2] * 40  # its new part does not fit beside the old one
+    assert not cache.insert("h", longer, hybrid_cache(longer))
+    found = cache.fetch("h", short + [0])
+    assert found.n_cached == len(short) and same_as_fresh(found.cache, short)
