@@ -40,6 +40,15 @@ class Attaching:
         head.segment, end.segment = halves
         head.segment_nbytes = self.measure(halves[0])
         end.segment_nbytes = self.measure(halves[1])
+        if end.window_held > end.size:  # the window KV reaches into the head's tokens
+            over = end.window_held - end.size
+            head.window = layers.cut_segment(end.window, 0, over)
+            end.window = layers.cut_segment(end.window, over)
+            head.window_held, end.window_held = over, end.size
+            before = end.window_nbytes
+            head.window_nbytes, end.window_nbytes = map(self.measure, (head.window, end.window))
+            self._add_bytes(tree, head.window_nbytes + end.window_nbytes - before)
+            head.used = end.used
         return head
 
     def _attach_segment(
@@ -70,38 +79,88 @@ class Attaching:
     def _attach_checkpointed(
         self, tree: ModelTree, parent: Node, m: int, key: bytes, prep: planning.Prepared
     ) -> bool:
-        """As `_attach_segment`, and the new end holds the checkpoint (an end already on
-        the tree gets it, if it has none)."""
-        if m * TOKEN == len(key):
-            if parent.checkpoint is None:
-                if not self._make_room(prep.checkpoint_nbytes, 0):
-                    return False
+        """As `_attach_segment`; the new end holds the checkpoint (an end already on the
+        tree gets it, if it has none), and window KV the path lacks is filled in."""
+        ends_here = m * TOKEN == len(key)
+        fills = self._window_fills(_path_to(parent), prep)
+        need = sum(nb - node.window_nbytes for node, _, _, nb in fills)
+        put_checkpoint = prep.checkpoint is not None and (
+            not ends_here or parent.checkpoint is None
+        )
+        if put_checkpoint:
+            need += prep.checkpoint_nbytes
+        if not ends_here:
+            seg = prep.segment
+            if m > prep.start:  # another insert stored part of it meanwhile
+                seg = layers.cut_segment(seg, m - prep.start)
+            seg_nbytes = self.measure(seg)
+            window, held = self._window_from(prep, m, len(key) // TOKEN)
+            window_nbytes = self.measure(window) if window is not None else 0
+            need += seg_nbytes + window_nbytes
+        extends = parent.terminal and not ends_here
+        # What is filled keeps its window KV while room is made (pinned); the sequence this
+        # extends is still one then (pinned, it is not evicted), its checkpoint not one that
+        # goes first, and kept if the insert is refused.
+        filled = [node for node, _, _, _ in fills]
+        self._pin(filled)
+        try:
+            room = self._make_room(need, 0 if extends or ends_here else 1)
+        finally:
+            self._unpin(tree, filled)
+        if not room:
+            return False
+        now = self._tick()
+        for node, longer, longer_held, nb in fills:
+            self._add_bytes(tree, nb - node.window_nbytes)
+            node.window, node.window_held, node.window_nbytes = longer, longer_held, nb
+            node.used = now
+        if ends_here:
+            if put_checkpoint:
                 parent.checkpoint = prep.checkpoint
                 parent.checkpoint_nbytes = prep.checkpoint_nbytes
                 self._add_bytes(tree, prep.checkpoint_nbytes)
-            parent.checkpoint_used = self._tick()
+            parent.used = now
             if parent.terminal:
                 self._lru.touch(parent, tree)
             return True
-        seg = prep.segment
-        if m > prep.start:  # another insert stored part of it meanwhile
-            seg = layers.cut_segment(seg, m - prep.start)
-        seg_nbytes = self.measure(seg)
-        extends = parent.terminal
-        # Still a sequence while room is made (pinned, it is not evicted): its checkpoint is
-        # not one that goes first, and stays if the insert is refused.
-        if not self._make_room(seg_nbytes + prep.checkpoint_nbytes, 0 if extends else 1):
-            return False
         if extends:
             self._unmark(tree, parent)
         child = add_child(parent, key[m * TOKEN :])
         tree.version += 1
         child.segment, child.segment_nbytes = seg, seg_nbytes
-        child.checkpoint, child.checkpoint_nbytes = prep.checkpoint, prep.checkpoint_nbytes
-        child.checkpoint_used = self._tick()
-        self._add_bytes(tree, seg_nbytes + prep.checkpoint_nbytes)
+        child.window, child.window_held, child.window_nbytes = window, held, window_nbytes
+        if prep.checkpoint is not None:
+            child.checkpoint, child.checkpoint_nbytes = prep.checkpoint, prep.checkpoint_nbytes
+        child.used = now
+        self._add_bytes(tree, seg_nbytes + window_nbytes + child.checkpoint_nbytes)
         self._mark(tree, child)
         return True
+
+    def _window_from(self, prep: planning.Prepared, m: int, n: int) -> tuple[Any, int]:
+        """The window KV of a new edge [m, n): what the insert's cache still held of it."""
+        if prep.window is None or prep.window_from >= n:
+            return None, 0
+        if prep.window_from >= m:
+            return prep.window, n - prep.window_from
+        return layers.cut_segment(prep.window, m - prep.window_from), n - m
+
+    def _window_fills(
+        self, path: list[Node], prep: planning.Prepared
+    ) -> list[tuple[Node, Any, int, int]]:
+        """For nodes on the path whose window KV lacks tokens the insert's cache held: the
+        longer window each gets (node, window, held, bytes)."""
+        out = []
+        for node in path:
+            if prep.window is None or node.depth <= prep.window_from:
+                continue
+            first = max(node.start, prep.window_from)
+            if node.depth - node.window_held <= first:
+                continue
+            window = layers.cut_segment(
+                prep.window, first - prep.window_from, node.depth - prep.window_from
+            )
+            out.append((node, window, node.depth - first, self.measure(window)))
+        return out
 
     def _attach_snapshot(
         self, tree: ModelTree, parent: Node, m: int, key: bytes, prep: planning.Prepared
@@ -121,3 +180,12 @@ class Attaching:
         else:
             self._mark(tree, node)
         return True
+
+
+def _path_to(node: Node) -> list[Node]:
+    """`node` and its ancestors, root excluded."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    return path

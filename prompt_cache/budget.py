@@ -1,5 +1,5 @@
 """Keeping the cache within its limits: which sequence goes, when the end of one is cut
-instead, and when a hybrid model's checkpoint goes first.
+instead, and when a hybrid model's window KV or checkpoint goes first.
 
 `Budget` is a part of `PromptCache` (its methods run under the cache's lock, on its
 trees, LRU order and byte count).
@@ -73,7 +73,7 @@ class Budget:
                 excess = 0  # a whole sequence has to go
             elif excess <= 0:
                 return True
-            if not self._evict_one(excess) and not (excess > 0 and self._drop_checkpoint()):
+            if not self._evict_one(excess) and not (excess > 0 and self._drop_loose()):
                 return False
 
     def _evict_one(self, excess: int = 0) -> bool:
@@ -139,16 +139,27 @@ class Budget:
         tree.version += 1
         return True
 
-    def _drop_checkpoint(self) -> bool:
-        """Free the checkpoint `checkpoints.first_to_drop` picks over all trees."""
-        found = [(n, tree) for tree in self._trees.values() if tree.layout.checkpointed
-                 for n in iter_nodes(tree.root)]  # fmt: skip
-        node = checkpoints.first_to_drop(n for n, _ in found)
-        if node is None:
+    def _drop_loose(self) -> bool:
+        """Free what `checkpoints.first_to_drop` picks over all trees: a checkpoint, or the
+        oldest part of a node's window KV."""
+        found = []
+        for tree in self._trees.values():
+            if tree.layout.checkpointed:
+                pick = checkpoints.first_to_drop(iter_nodes(tree.root), tree.layout.span)
+                if pick is not None:
+                    found.append((pick, tree))
+        if not found:
             return False
-        tree = next(t for n, t in found if n is node)
-        self._add_bytes(tree, -node.checkpoint_nbytes)
-        node.checkpoint, node.checkpoint_nbytes = None, 0
+        (node, what, k), tree = min(found, key=lambda f: f[0][0].used)
+        if what == "checkpoint":
+            self._add_bytes(tree, -node.checkpoint_nbytes)
+            node.checkpoint, node.checkpoint_nbytes = None, 0
+        else:
+            node.window_held -= k
+            node.window = layers.cut_segment(node.window, k) if node.window_held else None
+            nbytes = self.measure(node.window) if node.window is not None else 0
+            self._add_bytes(tree, nbytes - node.window_nbytes)
+            node.window_nbytes = nbytes
         tree.version += 1
         return True
 

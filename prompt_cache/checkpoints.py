@@ -1,37 +1,116 @@
-"""Where a hybrid model's cache can resume, and which checkpoint goes first.
+"""Where a hybrid model's cache can resume, and which window KV or checkpoint goes first.
 
 In checkpointed mode (`layers.Layout.checkpointed`) a node's edge holds the KV
-layers' segment, as in prefix sharing, and may hold a checkpoint: the other
-layers' state after the node's last token. A fetch resumes at the deepest node
-of its walk that has a checkpoint, no deeper than its match and leaving at least
-one token to run; the KV layers are joined up to there.
+layers' segment, as in prefix sharing; the window layers' KV of the edge's last
+`window_held` tokens (all of them, or a suffix: a window drops its oldest
+tokens as it runs, and stored window KV can be dropped for room); and may hold
+a checkpoint: the recurrent layers' state after the node's last token.
 
-Policy, apart from the mechanism: checkpoints are bytes like any other, in the
-same budget. A sequence's end keeps its checkpoint as long as the sequence is
-cached (its next turn resumes there). The others (where a system prompt ended,
-a token before a prompt's end, a reply inside a longer conversation) go when
-room is short and no whole sequence can be evicted instead, least recently used
-first (stored or resumed from).
+Invariants:
+- A fetch resumes at token n only if every window can be rebuilt there: the
+  window KV of the `span` tokens before n (all of them when n < span) lies
+  along the path. With recurrent layers n is also the end of a node holding a
+  checkpoint; without them n can be any such token, as in prefix sharing.
+- n is at most the match and leaves at least one token to run.
+- A sequence's end stays resumable as long as the sequence is cached: its
+  checkpoint and the window KV of the `span` tokens before it are never what
+  goes first.
+
+Policy, apart from the mechanism: window KV and checkpoints are bytes like any
+other, in the same budget. What no sequence's end needs (where a system prompt
+ended, a token before a prompt's end, old window KV inside a conversation) goes
+when room is short and no whole sequence can be evicted instead, least
+recently used first (stored or resumed from).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from .radix import Node, Walk
 
+Segment = Any
 
-def resume_point(w: Walk, asked: int) -> Node | None:
-    """The deepest node of the walk a fetch of `asked` tokens can resume from."""
-    limit = min(w.length, asked - 1)
-    for node in reversed(w.nodes):
-        if node.checkpoint is not None and node.depth <= limit:
+
+def window_covers(nodes: list[Node], n: int, span: int) -> Node | None:
+    """None when the window KV of the `span` tokens before token n lies along the path
+    `nodes`; else the node that lacks some of it."""
+    lo = max(0, n - span)
+    for node in reversed(nodes):
+        if node.start >= n:
+            continue
+        if node.depth <= lo:
+            break
+        if node.depth - node.window_held > max(lo, node.start):
             return node
     return None
 
 
-def first_to_drop(nodes: Iterable[Node]) -> Node | None:
-    """The checkpoint that goes first when room is short: not at a sequence's end, least
-    recently used. (A fetch that planned with it holds its own reference.)"""
-    loose = (n for n in nodes if n.checkpoint is not None and not n.terminal)
-    return min(loose, key=lambda n: n.checkpoint_used, default=None)
+def resume_point(w: Walk, asked: int, span: int, states: bool) -> tuple[int, Node | None]:
+    """The deepest token a fetch of `asked` tokens can resume at (0: none), and the node
+    whose checkpoint it restores (None without recurrent layers)."""
+    limit = min(w.length, asked - 1)
+    if states:
+        for node in reversed(w.nodes):
+            if node.checkpoint is not None and 0 < node.depth <= limit:
+                if window_covers(w.nodes, node.depth, span) is None:
+                    return node.depth, node
+        return 0, None
+    n = limit
+    while n > 0:
+        gap = window_covers(w.nodes, n, span)
+        if gap is None:
+            return n, None
+        # The window KV it lacks is at the start of its edge: every later resume point
+        # up to here needs some of it, so the next candidate is before that node.
+        n = gap.start
+    return 0, None
+
+
+def window_pieces(nodes: list[Node], n: int, span: int) -> list[tuple[Segment, int, int]]:
+    """Where the window KV of the `span` tokens before n lies: (segment, from, to) with
+    positions in each node's stored window, in token order."""
+    lo = max(0, n - span)
+    out = []
+    for node in nodes:
+        if node.depth <= lo or node.start >= n:
+            continue
+        first = node.depth - node.window_held
+        out.append((node.window, max(lo, node.start) - first, min(n, node.depth) - first))
+    return out
+
+
+def needed_from(node: Node, span: int) -> int | None:
+    """The first token of `node`'s edge whose window KV a sequence ending at or below it
+    needs (None: none does)."""
+    need: int | None = None
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if x.depth - span >= node.depth:
+            continue  # it needs nothing of `node`, nor does anything below it
+        if x.terminal:
+            first = max(node.start, x.depth - span)
+            need = first if need is None else min(need, first)
+        stack.extend(x.children.values())
+    return need
+
+
+def first_to_drop(nodes: Iterable[Node], span: int) -> tuple[Node, str, int] | None:
+    """What goes first when room is short, least recently used: ("checkpoint", node, 0)
+    for a checkpoint not at a sequence's end, or ("window", node, k) for the first k
+    tokens of a node's window KV that no sequence's end needs. A fetch that planned
+    with it holds its own reference; nodes an insert or fetch pins keep their window."""
+    best: tuple[Node, str, int] | None = None
+    for node in nodes:
+        if node.checkpoint is not None and not node.terminal:
+            if best is None or node.used < best[0].used:
+                best = (node, "checkpoint", 0)
+        if node.window_held and not node.pins:
+            need = needed_from(node, span)
+            first = node.depth - node.window_held
+            loose = node.window_held if need is None else max(0, need - first)
+            if loose and (best is None or node.used < best[0].used):
+                best = (node, "window", loose)
+    return best

@@ -9,8 +9,10 @@ A prompt cache is mlx-lm's list of per-layer cache objects for one sequence
 - Checkpointed (hybrid models): `KVCache` layers beside sliding windows
   (`RotatingKVCache`, nothing kept at its start) and recurrent state
   (`ArraysCache` and its kin: linear attention, Mamba, convolutions). The KV
-  layers are stored by prefix as above; the others only as checkpoints, their
-  whole state after a given token (a window cut to its last `max_size` tokens).
+  layers are stored by prefix as above. The windows' KV is stored by token too,
+  for the tokens a window still held when it was stored, and a window is rebuilt
+  at token n from its last `max_size` tokens before n. Recurrent state cannot be
+  cut: it is stored only as checkpoints, its whole state after a given token.
 - Snapshot: anything else (`CacheList`, chunked or quantized windows, mixes of
   those). Only whole sequences can be stored and restored.
 
@@ -61,16 +63,34 @@ class Layout:
         """The layers stored by prefix."""
         return tuple(i for i, k in enumerate(self.kinds) if k[0] in _SLICEABLE)
 
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The sliding-window layers (checkpointed mode)."""
+        if not self.checkpointed:
+            return ()
+        return tuple(i for i, k in enumerate(self.kinds) if k[0] is RotatingKVCache)
+
+    @property
+    def states(self) -> tuple[int, ...]:
+        """The recurrent-state layers, stored only as checkpoints (checkpointed mode)."""
+        if not self.checkpointed:
+            return ()
+        return tuple(i for i in range(len(self.kinds)) if i not in (*self.kv, *self.windows))
+
+    @property
+    def span(self) -> int:
+        """Tokens before a resume point whose window KV rebuilds every window there."""
+        return max((self.kinds[i][1] for i in self.windows), default=0)
+
     def mode(self) -> str:
         """The storage mode in words, for the log and /v1/cache."""
         if self.sliceable:
             return "prefix sharing"
         if not self.checkpointed:
             return "whole-sequence snapshots"
-        windows = sum(k[0] is RotatingKVCache for k in self.kinds)
-        states = len(self.kinds) - len(self.kv) - windows
-        return (f"hybrid: {len(self.kv)} attention layers shared by prefix, {windows} "
-                f"sliding-window and {states} recurrent-state layers checkpointed")  # fmt: skip
+        return (f"hybrid: {len(self.kv)} attention and {len(self.windows)} sliding-window "
+                f"layers stored by token, {len(self.states)} recurrent-state layers "
+                "checkpointed")  # fmt: skip
 
 
 def layout_of(cache: list[Any]) -> Layout:
@@ -155,36 +175,68 @@ def length(cache: list[Any]) -> int | None:
     return next((c.offset for c in cache if hasattr(c, "offset")), None)
 
 
-def checkpoint(layout: Layout, cache: list[Any]) -> list[Any]:
-    """Copies of the layers a checkpointed layout does not store by prefix: each window cut
-    to the last `max_size` tokens it holds, in order; each recurrent state as it is."""
-    kv = set(layout.kv)
-    out = []
-    for i, c in enumerate(cache):
-        if i in kv:
-            continue
-        if type(c) is RotatingKVCache:
-            keep = min(c.offset, c.max_size)
-            layer = RotatingKVCache(c.max_size)
-            layer.keys, layer.values = (_own(c._temporal_order(a)[..., -keep:, :])
-                                        for a in (c.keys, c.values))  # fmt: skip
-            layer.offset, layer._idx = c.offset, keep
-            out.append(layer)
-        else:
-            out.append(_fresh_views(c))
+def checkpoint(layout: Layout, cache: list[Any]) -> list[Any] | None:
+    """Copies of the recurrent-state layers as they are (None: the layout has none)."""
+    if not layout.states:
+        return None
+    out = [_fresh_views(cache[i]) for i in layout.states]
     mx.async_eval(arrays_in(out))
     return out
 
 
+def window_held(layout: Layout, cache: list[Any]) -> int:
+    """How many of the last tokens every window layer of `cache` still holds."""
+    return min((cache[i]._temporal_order(cache[i].keys).shape[2] for i in layout.windows),
+               default=0)  # fmt: skip
+
+
+def window_segment(layout: Layout, cache: list[Any], start: int, end: int) -> Segment:
+    """A copy of the window layers' KV of tokens [start, end), which they must still hold
+    (`end` is the cache's length)."""
+    seg = []
+    for i in layout.windows:
+        c = cache[i]
+        held = c._temporal_order(c.keys).shape[2]
+        lo, hi = held - (c.offset - start), held - (c.offset - end)
+        seg.append(tuple(_own(c._temporal_order(a)[..., lo:hi, :]) for a in (c.keys, c.values)))
+    out = tuple(seg)
+    mx.async_eval(out)
+    return out
+
+
+def rebuild_windows(layout: Layout, pieces: list[tuple[Segment, int, int]], n: int) -> list[Any]:
+    """Fresh window layers at token `n`, from the window KV of the `min(n, layout.span)`
+    tokens before it: (segment, from, to) ranges of stored window segments, in order."""
+    out = []
+    for li, i in enumerate(layout.windows):
+        size = layout.kinds[i][1]
+        keep = min(n, size)
+        keys, values = (mx.concatenate([seg[li][a][..., lo:hi, :] for seg, lo, hi in pieces],
+                                       axis=2)[..., -keep:, :]
+                        for a in (0, 1))  # fmt: skip
+        layer = RotatingKVCache(size)
+        layer.keys, layer.values = _own(keys), _own(values)
+        layer.offset, layer._idx = n, keep
+        out.append(layer)
+    return out
+
+
 def assemble_checkpointed(
-    layout: Layout, pieces: list[tuple[Segment, int]], saved: list[Any]
+    layout: Layout,
+    pieces: list[tuple[Segment, int]],
+    windows: list[tuple[Segment, int, int]],
+    saved: Any,
+    n: int,
 ) -> list[Any]:
-    """A fresh cache: the KV layers joined from segments (as `assemble`), the others
-    restored from the checkpoint `saved`."""
+    """A fresh cache at token `n`: the KV layers joined from segments (as `assemble`), the
+    windows rebuilt from `windows` (see `rebuild_windows`), the recurrent states restored
+    from the checkpoint `saved`."""
     kv = layout.kv
     joined = iter(assemble(Layout(True, tuple(layout.kinds[i] for i in kv)), pieces) if kv else [])
-    restored = iter(clone(saved))
-    return [next(joined) if i in kv else next(restored) for i in range(len(layout.kinds))]
+    rebuilt = iter(rebuild_windows(layout, windows, n))
+    restored = iter(clone(saved) if saved is not None else [])
+    kinds = {**dict.fromkeys(kv, joined), **dict.fromkeys(layout.windows, rebuilt)}
+    return [next(kinds.get(i, restored)) for i in range(len(layout.kinds))]
 
 
 def kv_part(layout: Layout, cache: list[Any]) -> list[Any]:

@@ -15,8 +15,9 @@ the state of a sequence. Rules:
     sequence that extends a stored one replaces it, and cached sequences are
     exactly the leaves.
   * checkpointed, for hybrid models (`prompt_cache.checkpoints`): the KV layers
-    as in prefix sharing, the other layers' state at chosen nodes; a fetch
-    resumes at the deepest of those within its match.
+    as in prefix sharing, the window layers' KV by token where it was held,
+    recurrent state at chosen nodes; a fetch resumes at the deepest point within
+    its match where every layer can be rebuilt.
   * snapshot otherwise: a terminal node holds the whole cache of its sequence.
     A fetch restores the deepest stored prefix, or a longer stored sequence
     trimmed back to the common prefix when its layers are trimmable.
@@ -104,7 +105,7 @@ class PromptCache(DiskLoading, Attaching, Budget):
         self._lru: LRUOrder[Node, ModelTree] = LRUOrder()
         self._nbytes = 0
         self._shorten_copy = SHORTEN_COPY
-        self._clock = 0  # orders checkpoints by use
+        self._clock = 0  # orders window KV and checkpoints by use
 
     # ----------------------------------------------------------------- reads
 
@@ -162,8 +163,10 @@ class PromptCache(DiskLoading, Attaching, Budget):
             setattr(tree.stats, plan.kind, getattr(tree.stats, plan.kind) + 1)
             tree.stats.tokens_reused += plan.n
             self._pin(plan.pinned)
-            if plan.saved is not None:
-                plan.pinned[-1].checkpoint_used = self._tick()  # the node it resumes at
+            if tree.layout.checkpointed:
+                now = self._tick()  # what it resumes from was used
+                for node in plan.pinned:
+                    node.used = now
             if plan.used is not None and plan.used.terminal:
                 self._lru.touch(plan.used, tree)
         try:
@@ -171,8 +174,10 @@ class PromptCache(DiskLoading, Attaching, Budget):
                 cache = layers.clone(plan.entry)
                 if plan.trim:
                     layers.trim(cache, plan.trim)
-            elif plan.saved is not None:
-                cache = layers.assemble_checkpointed(tree.layout, plan.pieces, plan.saved)
+            elif tree.layout.checkpointed:
+                cache = layers.assemble_checkpointed(
+                    tree.layout, plan.pieces, plan.windows, plan.saved, plan.n
+                )
             else:
                 cache = layers.assemble(tree.layout, plan.pieces)
         finally:
@@ -196,7 +201,7 @@ class PromptCache(DiskLoading, Attaching, Budget):
         if tree.layout.sliceable:
             return planning.plan_segments(w, n)
         if tree.layout.checkpointed:
-            return planning.plan_checkpointed(w, n)
+            return planning.plan_checkpointed(tree.layout, w, n)
         return planning.plan_snapshot(w, n)
 
     # ------------------------------------------------------------------ disk
@@ -299,7 +304,8 @@ class PromptCache(DiskLoading, Attaching, Budget):
             parent = node.parent
             detach(node)
             tree.version += 1
-            self._add_bytes(tree, -(node.segment_nbytes + node.checkpoint_nbytes))
+            self._add_bytes(tree, -(node.segment_nbytes + node.checkpoint_nbytes
+                                    + node.window_nbytes))  # fmt: skip
             node = parent
 
     def _add_bytes(self, tree: ModelTree, delta: int) -> None:

@@ -28,7 +28,9 @@ class Plan:
     pieces: list[tuple[layers.Segment, int]] = field(default_factory=list)
     entry: list[Any] | None = None
     trim: int = 0
-    saved: list[Any] | None = None  # checkpointed mode: the other layers' state at `n`
+    saved: list[Any] | None = None  # checkpointed mode: the recurrent layers' state at `n`
+    resumed: Node | None = None  # the node whose checkpoint it restores
+    windows: list[tuple[layers.Segment, int, int]] | None = None  # window KV before `n`
 
 
 def plan_segments(w: Walk, asked: int) -> Plan | None:
@@ -54,13 +56,14 @@ def plan_segments(w: Walk, asked: int) -> Plan | None:
     return Plan(kind, n, pinned, used, pieces=pieces)
 
 
-def plan_checkpointed(w: Walk, asked: int) -> Plan | None:
-    resume = checkpoints.resume_point(w, asked)
-    if resume is None:
+def plan_checkpointed(layout: Layout, w: Walk, asked: int) -> Plan | None:
+    n, resumed = checkpoints.resume_point(w, asked, layout.span, bool(layout.states))
+    if n <= 0:
         return None
-    n = resume.depth
     plan = plan_segments(w, n + 1)  # the KV layers' pieces up to `n`, kind and use as there
-    plan.n, plan.saved = n, resume.checkpoint
+    plan.n, plan.resumed = n, resumed
+    plan.saved = resumed.checkpoint if resumed is not None else None
+    plan.windows = checkpoints.window_pieces(w.nodes, n, layout.span)
     end = w.nodes[-1]
     if end.terminal and w.length == end.depth:
         plan.kind = "exact" if w.length == asked else "shorter"
@@ -101,6 +104,8 @@ class Prepared:
     entry_trimmable: bool = False
     checkpoint: list[Any] | None = None
     checkpoint_nbytes: int = 0
+    window: layers.Segment | None = None  # the window layers' KV of tokens [window_from, n)
+    window_from: int = 0
 
 
 def prepare_insert(
@@ -109,7 +114,11 @@ def prepare_insert(
     if layout.checkpointed:
         prep = prepare_segment(w, n, layers.kv_part(layout, cache), always_split=True)
         prep.checkpoint = layers.checkpoint(layout, cache)
-        prep.checkpoint_nbytes = measure(prep.checkpoint)
+        prep.checkpoint_nbytes = measure(prep.checkpoint) if prep.checkpoint is not None else 0
+        if layout.windows:
+            # All it still holds: the path above may lack some (dropped, or never stored).
+            prep.window_from = n - min(n, layers.window_held(layout, cache))
+            prep.window = layers.window_segment(layout, cache, prep.window_from, n)
         return prep
     if not layout.sliceable:
         entry = layers.snapshot(cache)

@@ -93,9 +93,12 @@ class Node:
     entry: Any = None  # a whole-sequence snapshot ending here (snapshot mode)
     entry_nbytes: int = 0
     entry_trimmable: bool = False
-    checkpoint: Any = None  # a hybrid model's other layers after this edge (checkpointed mode)
+    checkpoint: Any = None  # a hybrid model's recurrent state after this edge (checkpointed mode)
     checkpoint_nbytes: int = 0
-    checkpoint_used: int = 0  # when it was last stored or resumed from (the cache's clock)
+    window: Any = None  # its window layers' KV of this edge's last `window_held` tokens
+    window_held: int = 0
+    window_nbytes: int = 0
+    used: int = 0  # when its checkpoint or window was last stored or resumed from (a clock)
     terminal: bool = False  # a cached sequence ends here
     pins: int = 0  # running fetches/inserts using this node; it is not removed while > 0
 

@@ -99,8 +99,8 @@ def _mode_in_words(engine: Engine) -> str:
     if engine.cache_mode == "prefix":
         return "attention layers, any stored prefix reusable"
     if engine.cache_mode == "checkpointed":
-        return ("attention layers shared by prefix; sliding-window and recurrent-state layers "
-                "checkpointed where messages end")  # fmt: skip
+        return ("attention and sliding-window layers stored by token; recurrent-state layers, if "
+                "any, checkpointed where messages end")  # fmt: skip
     return "whole-sequence snapshots (reused only where a stored sequence ends)"
 
 

@@ -118,6 +118,32 @@ def test_a_template_that_writes_the_generation_prompt_back_otherwise(arch, tmp_p
     assert all(c[2] > 0 for c in cached[1:3])
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_a_window_model_resumes_where_two_messages_part(arch, tmp_path):
+    """Sliding windows are stored by token: a request that shares the start of an earlier
+    one's message resumes where the two part, not at the last message end before it."""
+    path = build_hybrid_model(tmp_path / arch, arch)
+    doc = "Read this: " + "the quick brown fox jumps over the lazy dog. " * 6
+    asks = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc + q}]
+            for q in ("Who jumps?", "Who is lazy?")]  # fmt: skip
+
+    def run(**settings):
+        out = []
+        with serving(str(path), served_model_name="m", **settings) as live:
+            for messages in asks:
+                body = {"model": "m", "messages": messages, "max_tokens": 10, "temperature": 0}
+                r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()
+                cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                out.append((r["choices"][0]["message"]["content"], cached))
+        return out
+
+    cached, fresh = run(), run(no_cache=True)
+    assert [c[0] for c in cached] == [f[0] for f in fresh]
+    peer = Peer(load_tokenizer(path))
+    first, second = (peer.render(m) for m in asks)
+    assert cached[1][1] == common_prefix_length(first, second) > len(peer.tokenizer.encode(doc))
+
+
 def test_the_budget_holds_with_checkpoints(tmp_path):
     path = build_hybrid_model(tmp_path / "gpt_oss", "gpt_oss")
     budget = 300_000

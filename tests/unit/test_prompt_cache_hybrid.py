@@ -1,4 +1,4 @@
-"""The cache for hybrid models: attention layers shared by prefix, sliding windows and
+"""The cache for hybrid models: attention layers and sliding windows stored by token,
 recurrent state checkpointed; against the state a fresh prefill reaches."""
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ from tests.fakes import kv_cache
 WINDOW = 4
 
 
-def hybrid_cache(tokens: list[int], chunk: int = 3) -> list:
-    """[attention, sliding window, recurrent state], fed `tokens` `chunk` at a time as a
-    prefill feeds a model (one at a time: as decoding does)."""
+def hybrid_cache(tokens: list[int], chunk: int = 3, state: bool = True) -> list:
+    """[attention, sliding window, recurrent state] (no state: as gemma3 and gpt-oss), fed
+    `tokens` `chunk` at a time as a prefill feeds a model (one at a time: as decoding does)."""
     (kv,) = kv_cache(tokens)[:1]
     window = RotatingKVCache(max_size=WINDOW)
-    state = ArraysCache(2)
-    state[0], state[1] = mx.zeros((1, 1)), mx.zeros((1, 1))
-    feed(window, state, tokens, 0, chunk)
-    return [kv, window, state]
+    layers = [kv, window]
+    if state:
+        layers.append(ArraysCache(2))
+        layers[2][0], layers[2][1] = mx.zeros((1, 1)), mx.zeros((1, 1))
+    feed(window, layers[2] if state else None, tokens, 0, chunk)
+    return layers
 
 
 def feed(window, state, tokens, start, chunk):
@@ -36,6 +38,8 @@ def feed(window, state, tokens, start, chunk):
     for at in range(start, len(tokens), chunk):
         end = min(at + chunk, len(tokens))
         window.update_and_fetch(full.keys[..., at:end, :], full.values[..., at:end, :])
+        if state is None:
+            continue
         for t in tokens[at:end]:
             state[0] = state[0] * 3 + t + 1  # depends on every token before, in order
         state[1] = state[1] + (end - at)
@@ -48,10 +52,10 @@ def window_of(layer) -> np.ndarray:
 
 
 def same_as_fresh(cache, tokens) -> bool:
-    want = hybrid_cache(tokens)
-    kv, window, state = cache
+    want = hybrid_cache(tokens, state=len(cache) == 3)
+    kv, window = cache[:2]
     n = len(tokens)
-    states = zip(state.cache, want[2].cache, strict=True)
+    states = zip(cache[2].cache, want[2].cache, strict=True) if len(cache) == 3 else []
     return (
         kv.offset == n
         and np.array_equal(np.array(kv.keys[..., :n, :]), np.array(want[0].keys[..., :n, :]))
@@ -64,11 +68,15 @@ def same_as_fresh(cache, tokens) -> bool:
 SYSTEM = list(range(10, 40))
 
 
+def stored_bytes(node) -> int:
+    return node.segment_nbytes + node.checkpoint_nbytes + node.window_nbytes
+
+
 def test_the_layout_says_what_is_checkpointed():
     layout = layout_of(hybrid_cache([1, 2, 3]))
     assert layout.checkpointed and not layout.sliceable and layout.kv == (0,)
-    assert layout.mode() == ("hybrid: 1 attention layers shared by prefix, 1 sliding-window "
-                             "and 1 recurrent-state layers checkpointed")  # fmt: skip
+    assert layout.mode() == ("hybrid: 1 attention and 1 sliding-window layers stored by "
+                             "token, 1 recurrent-state layers checkpointed")  # fmt: skip
     kept = RotatingKVCache(max_size=8, keep=2)
     kept.update_and_fetch(*(mx.zeros((1, 1, 3, 4)),) * 2)
     assert not layout_of([kept]).checkpointed  # what `keep` holds: whole snapshots
@@ -109,7 +117,7 @@ def test_two_conversations_share_the_attention_kv_of_a_checkpointed_prefix():
     assert per_token * (len(SYSTEM) + 3 + 4) == kv_bytes  # the prefix's KV is stored once
     assert sorted(n.depth for n in nodes if n.checkpoint is not None) == [
         len(SYSTEM), len(a), len(b)]  # fmt: skip
-    assert cache.nbytes == kv_bytes + sum(n.checkpoint_nbytes for n in nodes)
+    assert cache.nbytes == kv_bytes + sum(n.checkpoint_nbytes + n.window_nbytes for n in nodes)
 
 
 def test_the_caller_owns_what_it_fetched():
@@ -138,7 +146,7 @@ def test_a_long_conversation_drops_its_least_used_checkpoints_to_go_on():
     nodes = list(iter_nodes(cache._trees["h"].root))
     held = sorted(n.depth for n in nodes if n.checkpoint is not None)
     assert held[-1] == len(tokens) and len(held) < 13  # the end kept; older ones gone
-    assert cache.nbytes == sum(n.segment_nbytes + n.checkpoint_nbytes for n in nodes)
+    assert cache.nbytes == sum(stored_bytes(n) for n in nodes)
 
 
 def test_the_byte_budget_holds_and_eviction_frees_checkpoints():
@@ -162,6 +170,8 @@ class HybridCacheHolds(RuleBasedStateMachine):
     """Any inserts, fetches and trims: every fetch is the fresh state of what it covers,
     resumes at a checkpoint, and bytes are what the tree holds, within the budget."""
 
+    state = True
+
     def __init__(self):
         super().__init__()
         self.cache = PromptCache(max_sequences=4, max_bytes=12_000)
@@ -170,8 +180,9 @@ class HybridCacheHolds(RuleBasedStateMachine):
     @rule(tokens=tokens_st, chunk=st.integers(1, 5), prefix=st.integers(0, 13))
     def insert(self, tokens, chunk, prefix):
         if 0 < prefix < len(tokens):  # a checkpoint inside the prompt, as the engine takes
-            self.cache.insert("h", tokens[:prefix], hybrid_cache(tokens[:prefix], chunk))
-        if self.cache.insert("h", tokens, hybrid_cache(tokens, chunk)):
+            stop = hybrid_cache(tokens[:prefix], chunk, self.state)
+            self.cache.insert("h", tokens[:prefix], stop)
+        if self.cache.insert("h", tokens, hybrid_cache(tokens, chunk, self.state)):
             self.last = tokens
 
     @rule(tokens=tokens_st)
@@ -196,7 +207,7 @@ class HybridCacheHolds(RuleBasedStateMachine):
     def bytes_are_what_the_tree_holds(self):
         tree = self.cache._trees.get("h")
         nodes = list(iter_nodes(tree.root)) if tree is not None else []
-        total = sum(n.segment_nbytes + n.checkpoint_nbytes for n in nodes)
+        total = sum(stored_bytes(n) for n in nodes)
         assert self.cache.nbytes == total <= 12_000
         assert all(n.pins == 0 for n in nodes)
 
@@ -204,6 +215,78 @@ class HybridCacheHolds(RuleBasedStateMachine):
 HybridCacheHolds.TestCase.settings = settings(max_examples=60, stateful_step_count=25,
                                               deadline=None)  # fmt: skip
 test_hybrid_cache_holds = HybridCacheHolds.TestCase
+
+
+class WindowCacheHolds(HybridCacheHolds):
+    """The same for a model whose only other layers are windows (gemma3, gpt-oss): a fetch
+    may resume at any token whose window KV lies along its path."""
+
+    state = False
+
+
+WindowCacheHolds.TestCase.settings = HybridCacheHolds.TestCase.settings
+test_window_cache_holds = WindowCacheHolds.TestCase
+
+
+def test_a_window_model_resumes_at_any_token_its_windows_cover():
+    cache = PromptCache()
+    prompt = SYSTEM + [1, 2, 3, 4, 5]
+    cache.insert("w", prompt, hybrid_cache(prompt, chunk=len(prompt), state=False))
+    for n in (1, 3, 17, len(prompt) - 1):  # one chunk: the window held every token
+        found = cache.fetch("w", prompt[:n] + [99])
+        assert found.n_cached == n and same_as_fresh(found.cache, prompt[:n])
+    # Regenerate: the same prompt resumes a token before its end, with no stop there.
+    found = cache.fetch("w", prompt)
+    assert found.n_cached == len(prompt) - 1 and same_as_fresh(found.cache, prompt[:-1])
+
+
+def test_window_kv_lacking_inside_a_path_is_filled_by_the_next_insert_through_it():
+    cache = PromptCache()
+    prompt = SYSTEM + [1, 2, 3, 4, 5]
+    cache.insert("w", prompt, hybrid_cache(prompt, chunk=3, state=False))
+    # A window run three at a time holds at most 6 tokens: nothing before them resumes.
+    assert cache.fetch("w", prompt[:20] + [99]).kind == "miss"
+    cache.insert("w", prompt[:20], hybrid_cache(prompt[:20], chunk=3, state=False))
+    found = cache.fetch("w", prompt[:20] + [99])
+    assert found.n_cached == 20 and same_as_fresh(found.cache, prompt[:20])
+    # What the long prompt's window held is still there: it resumes at its end too.
+    found = cache.fetch("w", prompt + [99])
+    assert found.n_cached == len(prompt) and same_as_fresh(found.cache, prompt)
+    nodes = list(iter_nodes(cache._trees["w"].root))
+    assert cache.nbytes == sum(stored_bytes(n) for n in nodes)
+
+
+def test_two_conversations_store_the_window_kv_of_their_shared_prefix_once():
+    cache = PromptCache()
+    a, b = SYSTEM + [1, 1, 1], SYSTEM + [2, 2, 2, 2]
+    for tokens in (SYSTEM, a, b):  # the system's end first, as the engine stops there
+        cache.insert("w", tokens, hybrid_cache(tokens, chunk=len(tokens), state=False))
+    found = cache.fetch("w", SYSTEM + [3, 3])
+    assert found.n_cached == len(SYSTEM) and same_as_fresh(found.cache, SYSTEM)
+    nodes = list(iter_nodes(cache._trees["w"].root))
+    two = hybrid_cache([1, 2], chunk=2, state=False)[1]  # a window holding two tokens
+    per_token = (two.keys.nbytes + two.values.nbytes) // 2
+    # Every token's window KV at most once: the system prompt's, then each branch's.
+    assert sum(n.window_nbytes for n in nodes) == per_token * (len(SYSTEM) + 3 + 4)
+    assert all(n.window_held <= n.size for n in nodes)
+
+
+def test_a_long_conversation_of_a_window_model_drops_old_window_kv_to_go_on():
+    one = PromptCache()
+    one.insert("w", SYSTEM, hybrid_cache(SYSTEM, chunk=len(SYSTEM), state=False))
+    budget = one.nbytes * 2
+    cache = PromptCache(max_bytes=budget)
+    tokens = list(SYSTEM)
+    cache.insert("w", tokens, hybrid_cache(tokens, chunk=len(tokens), state=False))
+    for turn in range(8):
+        tokens += [turn + 1] * 5
+        assert cache.insert("w", tokens, hybrid_cache(tokens, chunk=5, state=False))
+        assert cache.nbytes <= budget
+        found = cache.fetch("w", tokens + [0])
+        assert found.n_cached == len(tokens) and same_as_fresh(found.cache, tokens)
+    nodes = list(iter_nodes(cache._trees["w"].root))
+    assert sum(n.window_held for n in nodes) < len(tokens)  # old window KV went first
+    assert cache.nbytes == sum(stored_bytes(n) for n in nodes)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 5])

@@ -66,7 +66,8 @@ class CacheReport(BaseModel):
     max_bytes: int | None = None
     kv_bits: int | None = None  # the KV's quantization (`--kv-bits`); None: full precision
     # How the model's layers are stored: "prefix" (attention: any prefix reusable),
-    # "checkpointed" (a hybrid: reusable where a checkpoint was stored) or "snapshot".
+    # "checkpointed" (a hybrid: attention and window KV by token, recurrent state reusable
+    # where a checkpoint was stored) or "snapshot".
     mode: str | None = None
     sequences: int = 0
     bytes: int = 0
