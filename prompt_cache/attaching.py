@@ -56,7 +56,7 @@ class Attaching:
     ) -> bool:
         if m * TOKEN == len(key):  # already on a stored path; only recency changes
             if parent.terminal and parent.depth == m:
-                self._lru.touch(parent, tree)
+                self._touch(parent, tree)
             return True
         seg = prep.segment
         if m > prep.start:  # another insert stored part of it meanwhile
@@ -98,15 +98,16 @@ class Attaching:
             window_nbytes = self.measure(window) if window is not None else 0
             need += seg_nbytes + window_nbytes
         extends = parent.terminal and not ends_here
-        # What is filled keeps its window KV while room is made (pinned); the sequence this
-        # extends is still one then (pinned, it is not evicted), its checkpoint not one that
-        # goes first, and kept if the insert is refused.
-        filled = [node for node, _, _, _ in fills]
-        self._pin(filled)
+        # While room is made, the path keeps the window KV the new end resumes from and what
+        # is filled (pinned); the sequence this extends is still one (pinned, it is not
+        # evicted), its checkpoint not one that goes first, and kept if the insert is refused.
+        n = len(key) // TOKEN
+        kept = [node for node in _path_to(parent) if node.depth > n - tree.layout.span]
+        self._pin(kept)
         try:
             room = self._make_room(need, 0 if extends or ends_here else 1)
         finally:
-            self._unpin(tree, filled)
+            self._unpin(tree, kept)
         if not room:
             return False
         now = self._tick()
@@ -121,7 +122,7 @@ class Attaching:
                 self._add_bytes(tree, prep.checkpoint_nbytes)
             parent.used = now
             if parent.terminal:
-                self._lru.touch(parent, tree)
+                self._touch(parent, tree)
             return True
         if extends:
             self._unmark(tree, parent)
@@ -176,7 +177,7 @@ class Attaching:
         node.entry_trimmable = prep.entry_trimmable
         self._add_bytes(tree, prep.entry_nbytes - old)
         if replaces:
-            self._lru.touch(node, tree)
+            self._touch(node, tree)
         else:
             self._mark(tree, node)
         return True

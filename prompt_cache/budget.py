@@ -65,20 +65,30 @@ class Budget:
         return evicted
 
     def _make_room(self, need_bytes: int, need_sequences: int) -> bool:
+        """Evict until both limits hold with `need_*` more; False (having evicted) if they
+        cannot. When only bytes are short, what was used least recently goes first: the LRU
+        sequence, or a hybrid model's window KV or checkpoint that no sequence's end needs."""
         if need_bytes > self.max_bytes or need_sequences > self.max_sequences:
             return False
         while True:
             excess = self._nbytes + need_bytes - self.max_bytes
             if len(self._lru) + need_sequences > self.max_sequences:
-                excess = 0  # a whole sequence has to go
-            elif excess <= 0:
+                if not self._evict_one(0):  # a whole sequence has to go
+                    return False
+                continue
+            if excess <= 0:
                 return True
-            if not self._evict_one(excess) and not (excess > 0 and self._drop_loose()):
+            victim = self._lru.victim(lambda node: node.pins == 0)
+            loose = self._loosest()
+            if loose is not None and (victim is None or loose[0][0].used < victim[0].used):
+                self._drop_loose(*loose)
+            elif victim is None or not self._evict_one(excess, victim):
                 return False
 
-    def _evict_one(self, excess: int = 0) -> bool:
-        """Make room from the LRU sequence: `excess` bytes off its end if > 0 and it can."""
-        found = self._lru.victim(lambda node: node.pins == 0)
+    def _evict_one(self, excess: int = 0, found: tuple[Node, ModelTree] | None = None) -> bool:
+        """Make room from the LRU sequence (or `found`): `excess` bytes off its end if > 0
+        and it can."""
+        found = found or self._lru.victim(lambda node: node.pins == 0)
         if found is None:
             return False
         node, tree = found
@@ -135,22 +145,24 @@ class Budget:
             end.depth -= part
         if end is not node:
             node.terminal, end.terminal = False, True
+            end.used = node.used
             self._lru.replace(node, end)
         tree.version += 1
         return True
 
-    def _drop_loose(self) -> bool:
-        """Free what `checkpoints.first_to_drop` picks over all trees: a checkpoint, or the
-        oldest part of a node's window KV."""
+    def _loosest(self) -> tuple[tuple[Node, str, int], ModelTree] | None:
+        """What `checkpoints.first_to_drop` picks over all trees, with its tree."""
         found = []
         for tree in self._trees.values():
             if tree.layout.checkpointed:
                 pick = checkpoints.first_to_drop(iter_nodes(tree.root), tree.layout.span)
                 if pick is not None:
                     found.append((pick, tree))
-        if not found:
-            return False
-        (node, what, k), tree = min(found, key=lambda f: f[0][0].used)
+        return min(found, key=lambda f: f[0][0].used, default=None)
+
+    def _drop_loose(self, pick: tuple[Node, str, int], tree: ModelTree) -> None:
+        """Free a checkpoint, or the oldest `k` tokens of a node's window KV."""
+        node, what, k = pick
         if what == "checkpoint":
             self._add_bytes(tree, -node.checkpoint_nbytes)
             node.checkpoint, node.checkpoint_nbytes = None, 0
@@ -161,7 +173,6 @@ class Budget:
             self._add_bytes(tree, nbytes - node.window_nbytes)
             node.window_nbytes = nbytes
         tree.version += 1
-        return True
 
 
 def _owned_by_one(node: Node) -> bool:

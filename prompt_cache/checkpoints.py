@@ -18,9 +18,11 @@ Invariants:
 
 Policy, apart from the mechanism: window KV and checkpoints are bytes like any
 other, in the same budget. What no sequence's end needs (where a system prompt
-ended, a token before a prompt's end, old window KV inside a conversation) goes
-when room is short and no whole sequence can be evicted instead, least
-recently used first (stored or resumed from).
+ended, a token before a prompt's end, old window KV inside a conversation) can
+go when room is short; `Budget._make_room` weighs the least recently used of it
+against the least recently used sequence, on one clock (stored, or resumed from).
+With recurrent layers an insert keeps only the window KV before its own end:
+such a model resumes nowhere else.
 """
 
 from __future__ import annotations
@@ -98,13 +100,13 @@ def needed_from(node: Node, span: int) -> int | None:
 
 
 def first_to_drop(nodes: Iterable[Node], span: int) -> tuple[Node, str, int] | None:
-    """What goes first when room is short, least recently used: ("checkpoint", node, 0)
-    for a checkpoint not at a sequence's end, or ("window", node, k) for the first k
-    tokens of a node's window KV that no sequence's end needs. A fetch that planned
-    with it holds its own reference; nodes an insert or fetch pins keep their window."""
+    """What goes first when room is short, least recently used: (node, "checkpoint", 0)
+    for a checkpoint not at a sequence's end, or (node, "window", k) for the first k
+    tokens of a node's window KV that no sequence's end needs. Nodes a running insert or
+    fetch pins keep both."""
     best: tuple[Node, str, int] | None = None
     for node in nodes:
-        if node.checkpoint is not None and not node.terminal:
+        if node.checkpoint is not None and not node.terminal and not node.pins:
             if best is None or node.used < best[0].used:
                 best = (node, "checkpoint", 0)
         if node.window_held and not node.pins:

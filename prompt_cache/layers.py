@@ -107,7 +107,7 @@ def layout_of(cache: list[Any]) -> Layout:
         if len({c.offset for c in cache}) != 1:
             raise ValueError("layers of one cache disagree on their token count")
         return Layout(True, tuple(kinds))
-    if all(_checkpointable(c) for c in cache):
+    if _hybrid(cache):
         return _checkpointed_layout(cache)
     return Layout(False, tuple((_kind(c),) for c in cache))
 
@@ -117,7 +117,13 @@ def mode_of(cache: list[Any]) -> str:
     "prefix", "checkpointed" or "snapshot"."""
     if all(type(c) in _SLICEABLE for c in cache):
         return "prefix"
-    return "checkpointed" if all(_checkpointable(c) for c in cache) else "snapshot"
+    return "checkpointed" if _hybrid(cache) else "snapshot"
+
+
+def _hybrid(cache: list[Any]) -> bool:
+    # Windows of different widths would need their KV kept over different spans of tokens.
+    widths = {c.max_size for c in cache if type(c) is RotatingKVCache}
+    return all(_checkpointable(c) for c in cache) and len(widths) <= 1
 
 
 def _checkpointable(c: Any) -> bool:

@@ -168,7 +168,7 @@ class PromptCache(DiskLoading, Attaching, Budget):
                 for node in plan.pinned:
                     node.used = now
             if plan.used is not None and plan.used.terminal:
-                self._lru.touch(plan.used, tree)
+                self._touch(plan.used, tree)
         try:
             if plan.entry is not None:
                 cache = layers.clone(plan.entry)
@@ -278,6 +278,12 @@ class PromptCache(DiskLoading, Attaching, Budget):
         self._clock += 1
         return self._clock
 
+    def _touch(self, node: Node, tree: ModelTree) -> None:
+        """A cached sequence just used: last in the LRU order, and its time on the clock that
+        window KV and checkpoints are ordered by too."""
+        node.used = self._tick()
+        self._lru.touch(node, tree)
+
     # -------------------------------------------------------------- eviction
 
     # ------------------------------------------------------- node bookkeeping
@@ -285,7 +291,7 @@ class PromptCache(DiskLoading, Attaching, Budget):
     def _mark(self, tree: ModelTree, node: Node) -> None:
         node.terminal = True
         tree.stats.sequences += 1
-        self._lru.touch(node, tree)
+        self._touch(node, tree)
 
     def _unmark(self, tree: ModelTree, node: Node) -> None:
         node.terminal = False

@@ -116,8 +116,7 @@ def prepare_insert(
         prep.checkpoint = layers.checkpoint(layout, cache)
         prep.checkpoint_nbytes = measure(prep.checkpoint) if prep.checkpoint is not None else 0
         if layout.windows:
-            # All it still holds: the path above may lack some (dropped, or never stored).
-            prep.window_from = n - min(n, layers.window_held(layout, cache))
+            prep.window_from = window_from(layout, w, n, layers.window_held(layout, cache))
             prep.window = layers.window_segment(layout, cache, prep.window_from, n)
         return prep
     if not layout.sliceable:
@@ -126,6 +125,19 @@ def prepare_insert(
             entry=entry, entry_nbytes=measure(entry), entry_trimmable=layers.can_trim(entry)
         )
     return prepare_segment(w, n, cache)
+
+
+def window_from(layout: Layout, w: Walk, n: int, held: int) -> int:
+    """The first token whose window KV an insert of `n` tokens copies: of those its windows
+    still hold, the new edge's, and what the path above lacks. With recurrent layers only
+    the window before `n` is worth keeping: they resume nowhere else."""
+    first = n - min(n, held if not layout.states else min(held, layout.span))
+    copy = max(first, w.length)
+    for node in w.nodes:
+        lo, hi = max(node.start, first), min(node.depth, w.length)
+        if lo < hi and node.depth - node.window_held > lo:  # it lacks some of [lo, hi)
+            copy = min(copy, lo)
+    return copy
 
 
 def prepare_segment(w: Walk, n: int, kv: list[Any], always_split: bool = False) -> Prepared:

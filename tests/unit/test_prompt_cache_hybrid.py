@@ -171,10 +171,11 @@ class HybridCacheHolds(RuleBasedStateMachine):
     resumes at a checkpoint, and bytes are what the tree holds, within the budget."""
 
     state = True
+    budget = 12_000
 
     def __init__(self):
         super().__init__()
-        self.cache = PromptCache(max_sequences=4, max_bytes=12_000)
+        self.cache = PromptCache(max_sequences=4, max_bytes=self.budget)
         self.last = None
 
     @rule(tokens=tokens_st, chunk=st.integers(1, 5), prefix=st.integers(0, 13))
@@ -208,8 +209,15 @@ class HybridCacheHolds(RuleBasedStateMachine):
         tree = self.cache._trees.get("h")
         nodes = list(iter_nodes(tree.root)) if tree is not None else []
         total = sum(stored_bytes(n) for n in nodes)
-        assert self.cache.nbytes == total <= 12_000
-        assert all(n.pins == 0 for n in nodes)
+        assert self.cache.nbytes == total <= self.budget
+        assert all(n.pins == 0 and n.window_held <= n.size for n in nodes)
+
+    @invariant()
+    def every_cached_sequence_resumes_at_its_end(self):
+        tree = self.cache._trees.get("h")
+        for node in iter_nodes(tree.root) if tree is not None else []:
+            if node.terminal and node.depth > 1:
+                assert self.cache.peek("h", path_of(node) + [0])[1] == node.depth
 
 
 HybridCacheHolds.TestCase.settings = settings(max_examples=60, stateful_step_count=25,
@@ -224,8 +232,91 @@ class WindowCacheHolds(HybridCacheHolds):
     state = False
 
 
-WindowCacheHolds.TestCase.settings = HybridCacheHolds.TestCase.settings
+class TightCacheHolds(HybridCacheHolds):
+    """The same with a budget of a few sequences, where window KV and checkpoints go too."""
+
+    budget = 3_000
+
+
+class TightWindowCacheHolds(TightCacheHolds):
+    state = False
+
+
+for machine in (WindowCacheHolds, TightCacheHolds, TightWindowCacheHolds):
+    machine.TestCase.settings = HybridCacheHolds.TestCase.settings
 test_window_cache_holds = WindowCacheHolds.TestCase
+test_tight_cache_holds = TightCacheHolds.TestCase
+test_tight_window_cache_holds = TightWindowCacheHolds.TestCase
+
+
+def path_of(node) -> list[int]:
+    out = []
+    while node.parent is not None:
+        out = node.tokens + out
+        node = node.parent
+    return out
+
+
+def test_an_insert_copies_only_the_window_kv_the_tree_lacks():
+    from prompt_cache import planning
+    from prompt_cache.radix import pack, walk
+
+    cache = PromptCache()
+    prompt = SYSTEM + [1, 2, 3]
+    cache.insert("w", prompt, hybrid_cache(prompt, chunk=len(prompt), state=False))
+    longer = prompt + [4] * 6
+    window = hybrid_cache(longer, chunk=len(longer), state=False)  # holds every token
+    layout = layout_of(window)
+    w = walk(cache._trees["w"].root, pack(longer))
+    assert planning.window_from(layout, w, len(longer), len(longer)) == len(prompt)
+    # With recurrent layers, only the window before the end: nothing else resumes there.
+    mixed = hybrid_cache(longer, chunk=len(longer))
+    assert planning.window_from(layout_of(mixed), w, len(longer), len(longer)) == len(longer) - 4
+
+
+def test_window_kv_used_longer_ago_goes_before_a_conversation_used_since():
+    cache = PromptCache()
+    conversations = []
+    for c in range(2):
+        tokens = [50 + c]
+        for turn in range(10):
+            tokens = tokens + [c * 10 + turn % 4] * 5
+            cache.insert("w", tokens, hybrid_cache(tokens, chunk=5, state=False))
+        conversations.append(tokens)
+    for tokens in conversations:
+        cache.fetch("w", tokens + [0])
+    cache.max_bytes = cache.nbytes
+    assert cache.insert("w", [99] * 6, hybrid_cache([99] * 6, chunk=6, state=False))
+    for tokens in conversations:  # both still resume where they ended
+        assert cache.peek("w", tokens + [0])[1] == len(tokens)
+    assert cache.stats("w").evictions == 0 and cache.nbytes <= cache.max_bytes
+
+
+@pytest.mark.parametrize("state", [False, True])
+def test_an_insert_stored_is_resumable_at_its_end_even_when_room_is_short(state):
+    """A branch off a prefix split over several nodes, with room for its own edge only if
+    something goes: the window KV of the prefix its end resumes from is not what goes."""
+    system = list(range(10, 20))
+    cache = PromptCache()
+    for tokens in (system[:8], system, system + [3] * 6):
+        assert cache.insert("w", tokens, hybrid_cache(tokens, chunk=len(tokens), state=state))
+    branch = system + [4]
+    alone = PromptCache()  # what the branch's own edge takes
+    for tokens in (system, branch):
+        alone.insert("w", tokens, hybrid_cache(tokens, chunk=len(tokens), state=state))
+    edge = max(iter_nodes(alone._trees["w"].root), key=lambda n: n.depth)
+    longest = next(n for n in iter_nodes(cache._trees["w"].root) if n.terminal)
+    cache.max_bytes = cache.nbytes - stored_bytes(longest) + stored_bytes(edge) - 1
+    if cache.insert("w", branch, hybrid_cache(branch, chunk=len(branch), state=state)):
+        assert cache.peek("w", branch + [0])[1] == len(branch)
+    assert cache.nbytes <= cache.max_bytes
+
+
+def test_windows_of_different_widths_are_stored_whole():
+    narrow, wide = RotatingKVCache(max_size=4), RotatingKVCache(max_size=8)
+    for layer in (narrow, wide):
+        layer.update_and_fetch(*(mx.zeros((1, 1, 3, 4)),) * 2)
+    assert not layout_of([narrow, wide]).checkpointed
 
 
 def test_a_window_model_resumes_at_any_token_its_windows_cover():
