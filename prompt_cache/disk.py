@@ -37,35 +37,29 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import queue
 import sqlite3
 import threading
 import time
-import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
-from .disk_files import BadFile, Segment, join, read_segment, write_segment
-from .disk_index import SUFFIX, Row, commit_recency, forget, insert, open_index, read_rows
+from .disk_files import BadFile, Segment, join, read_segment
+from .disk_index import SUFFIX, forget, open_index, read_rows
 from .disk_index import remove_stale as remove_stale
-from .disk_tree import attach, first_gap, held, prune
-from .radix import TOKEN, Node, detach, iter_nodes, walk
+from .disk_space import DiskFile, DiskSpace, DiskStats, namespace_of
+from .disk_tree import attach, held
+from .disk_writing import FORMAT as FORMAT
+from .disk_writing import HEADER_SLACK as HEADER_SLACK
+from .disk_writing import DiskWriting
+from .radix import TOKEN, Node, walk
 
 log = logging.getLogger(__name__)
-
-FORMAT = 2  # bump when what a file holds changes meaning (2: checksums over the arrays)
-HEADER_SLACK = 1024  # bytes reserved for a file's header, plus ENTRY_SLACK per array
-ENTRY_SLACK = 128
-MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still has them)
-
-Runs = list[tuple[int, int, Segment]]  # (start, end, KV of [start, end)) along a path
 
 
 class DiskTierBusy(RuntimeError):
@@ -76,38 +70,7 @@ class DiskTierUnavailable(RuntimeError):
     """The cache folder cannot be written: read-only, full, not a folder, no permission."""
 
 
-@dataclass(eq=False)
-class DiskFile:
-    name: str
-    namespace: str
-    start: int
-    end: int
-    nbytes: int
-    digest: str
-    nodes: list[Node] = field(default_factory=list)  # tree nodes whose edge lies in it
-
-
-@dataclass
-class DiskStats:
-    files: int = 0
-    bytes: int = 0
-    tokens_loaded: int = 0
-    bytes_loaded: int = 0
-    load_seconds: float = 0.0
-    writes: int = 0
-    bytes_written: int = 0
-    write_seconds: float = 0.0
-    dropped: int = 0  # files found bad (missing, truncated, corrupt) and removed
-    evicted: int = 0  # files removed for room, with the files below them
-    skipped: int = 0  # writes not made: no room, a full queue, or an I/O error
-    pending: int = 0
-
-
-def namespace_of(model: Hashable) -> str:
-    return json.dumps(model) if isinstance(model, str | tuple | list) else repr(model)
-
-
-class DiskTier:
+class DiskTier(DiskSpace, DiskWriting):
     """Segments of cached paths on disk, under a byte budget, surviving restarts."""
 
     def __init__(self, root: str | Path, fingerprint: str, max_bytes: int) -> None:
@@ -277,35 +240,6 @@ class DiskTier:
                 self._db.commit()
         return None
 
-    # -------------------------------------------------------------- writes
-
-    def put(self, model: Hashable, key: bytes, path: Runs, layout: str) -> None:
-        """Queue the KV of `key`'s path (its segments, in order) for writing.
-
-        Written behind, and only what the disk lacks of the path by then.
-        """
-        ns = namespace_of(model)
-        with self._lock:
-            if self._closed or self.max_bytes == 0:
-                return
-            if self.stats.pending >= MAX_PENDING:
-                self.stats.skipped += 1
-                return
-            self.stats.pending += 1
-            epoch = self._epoch(ns)
-        self._jobs.put((ns, epoch, bytes(key), path, layout))
-
-    def _epoch(self, ns: str) -> tuple[int, int]:
-        return self._cleared, self._epochs.get(ns, 0)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until the writes queued so far are done; False if `timeout` passed first."""
-        if self._closed:
-            return True
-        done = threading.Event()
-        self._jobs.put(("flush", done))
-        return done.wait(timeout)
-
     def close(self, timeout: float | None = None) -> None:
         """Finish the queued writes within `timeout`, drop the rest, and release the folder.
 
@@ -327,171 +261,6 @@ class DiskTier:
             self._db.close()
             self._db_open = False
         self._lockfile.close()
-
-    def _write_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job[0] == "flush":
-                job[1].set()
-                continue
-            try:
-                while not self._abandon and self._write(*job):
-                    pass
-            except Exception:  # never fatal: the RAM tier still holds it
-                log.exception("writing a cache segment to disk failed")
-                with self._lock:
-                    self.stats.skipped += 1
-            finally:
-                with self._lock:
-                    self.stats.pending -= 1
-
-    def _write(self, ns: str, epoch: tuple[int, int], key: bytes, path: Runs, layout: str) -> bool:
-        """Write what the disk lacks of `key`'s path, up to its first gap; whether more
-        of it (past that gap) remains to be written."""
-        n = len(key) // TOKEN
-        with self._lock:
-            if self._epoch(ns) != epoch:
-                return False  # cleared since it was queued
-            root = self._roots.get(ns)
-            w = walk(root, key) if root is not None else None
-            have = held(w) if w is not None else 0
-            if have >= n:  # already on disk: only recency changes
-                self._used([node.segment for node in w.nodes])
-                return False
-            if self._layout is not None and layout != self._layout:
-                self.stats.skipped += 1
-                return False
-            # A gap the path runs through is filled first, then what lies past the files
-            # kept beyond it.
-            gap = first_gap(w) if w is not None else None
-            stop = gap.depth if gap is not None and w.length >= gap.depth else n
-            pieces = [(max(s, have), min(e, stop), seg, s, e) for s, e, seg in path
-                      if e > have and s < stop]  # fmt: skip
-            arrays_nbytes = sum(a.nbytes * (hi - lo) // (e - s) for lo, hi, seg, s, e in pieces
-                                for layer in seg for a in layer)  # fmt: skip
-            count = sum(len(layer) for layer in path[0][2]) if path else 0
-            reserve = arrays_nbytes + HEADER_SLACK + ENTRY_SLACK * count
-            keep = {node.segment for node in w.nodes} if w is not None else set()
-            if not self._make_room(reserve, keep):
-                self.stats.skipped += 1
-                return False
-            self._nbytes += reserve
-        name = uuid.uuid4().hex
-        t0 = time.perf_counter()
-        f, kept = None, False
-        try:
-            segment = join([tuple(tuple(a[..., lo - s : hi - s, :] for a in layer)
-                                  for layer in seg) for lo, hi, seg, s, _ in pieces])  # fmt: skip
-            meta = {"format": str(FORMAT), "start": str(have), "end": str(stop)}
-            size, digest = write_segment(self.folder, name, segment, meta, reserve)
-            f = DiskFile(name, ns, have, stop, size, digest)
-        except Exception as e:  # a full disk, a folder gone: the RAM tier still has it
-            log.warning("cannot write a cache segment to disk: %s", e)
-        finally:
-            final = self.folder / (name + SUFFIX)
-            with self._lock:
-                self._nbytes -= reserve
-                if f is None:
-                    self.stats.skipped += 1
-                elif not self._keep(f, key, epoch, layout):
-                    final.unlink(missing_ok=True)
-                    self.stats.skipped += 1
-                else:
-                    kept = True
-                    self.stats.writes += 1
-                    self.stats.bytes_written += f.nbytes
-                    self.stats.write_seconds += time.perf_counter() - t0
-                self._count()
-        return kept and stop < n  # past the gap just filled, files were kept
-
-    def _keep(self, f: DiskFile, key: bytes, epoch: tuple[int, int], layout: str) -> bool:
-        """Index a written file, under the lock; False if it no longer belongs."""
-        if not self._db_open or self._epoch(f.namespace) != epoch:
-            return False  # cleared meanwhile
-        root = self._roots.setdefault(f.namespace, Node(edge=b""))
-        if attach(root, f, key) is None:  # its path's beginning was dropped meanwhile
-            return False
-        self._lru[f] = None
-        self._nbytes += f.nbytes
-        tokens = key[: f.end * TOKEN]
-        try:
-            insert(self._db, Row(f.name, f.namespace, f.start, f.end, tokens, f.nbytes,
-                                 f.digest, layout))  # fmt: skip
-            self._layout = layout
-            self._used([node.segment for node in walk(root, tokens).nodes])
-            self._commit_recency()
-        except sqlite3.Error as e:
-            log.warning("cannot index a cache segment: %s", e)
-            self._drop(f)
-            return False
-        return True
-
-    # ------------------------------------------------------ tree and budget
-
-    def _used(self, files: list[DiskFile]) -> None:
-        """Files of a path just used: the path's beginning ends up the most recent, so
-        eviction takes paths from their end, never their shared beginning first."""
-        now = time.time()
-        for f in reversed(dict.fromkeys(files)):
-            if f in self._lru:
-                self._lru.move_to_end(f)
-                self._touched[f.name] = now
-
-    def _commit_recency(self) -> None:
-        commit_recency(self._db, self._touched)
-
-    def _make_room(self, need: int, keep: set[DiskFile]) -> bool:
-        if need > self.max_bytes:
-            return False
-        while self._nbytes + need > self.max_bytes:
-            victim = next((f for f in self._lru if f not in keep), None)
-            if victim is None:
-                return False
-            self.stats.evicted += self._drop(victim)
-        return True
-
-    def _drop(self, f: DiskFile) -> int:
-        """Remove `f`, the nodes in it and everything below them; the files removed."""
-        # Every file below one of f's nodes continues a path through f's tokens.
-        gone = {f: None}
-        for node in list(f.nodes):
-            if node.parent is None:
-                continue  # already cut off with an ancestor in f
-            parent = node.parent
-            detach(node)
-            prune(parent)
-            for below in iter_nodes(node):
-                gone[below.segment] = None
-        removed = 0
-        for g in gone:
-            if g in self._lru:
-                del self._lru[g]
-                self._nbytes -= g.nbytes
-                self._forget(g.name)
-                removed += 1
-        self._count()
-        return removed
-
-    def _lose(self, f: DiskFile) -> None:
-        """Remove a file found bad, leaving its tokens as gaps over the files below it:
-        their KV is still right, and is served again once a write fills the gaps."""
-        del self._lru[f]
-        self._nbytes -= f.nbytes
-        self._forget(f.name)
-        for node in f.nodes:
-            node.segment = None
-        for node in f.nodes:
-            prune(node)
-        self._count()
-
-    def _forget(self, name: str) -> None:
-        self._touched.pop(name, None)
-        forget(self._db, self.folder, name)
-
-    def _count(self) -> None:
-        self.stats.files, self.stats.bytes = len(self._lru), self._nbytes
 
     def clear(self, model: Hashable | None = None) -> None:
         """Remove the files of `model` (of every model when None), and drop the writes
