@@ -299,7 +299,7 @@ class Workloads:
             await self._run(server, client, model)
 
     def chat_workloads(self) -> list[ChatShape]:
-        """Workloads 1-3; bench/overflow_sweep.py runs workload 3 at other shapes and budgets.
+        """Workloads 1-3 (bench/overflow_disk.py runs workload 3 with the disk tier).
 
         Each has a system prompt of its own, so no workload replays another's conversations.
         """

@@ -1,6 +1,6 @@
 """Workload 3 with RAM at a quarter of what it needs and the disk tier on.
 
-Round-robin conversations (overflow_sweep.py's workload 3) with the cache's RAM
+Round-robin conversations (multiturn.py's workload 3) with the cache's RAM
 budget at `--factor` (0.25) of what they need with the shared system prompt stored
 once: each conversation is evicted from RAM before its next turn. Three servers,
 one after the other, the same requests:
@@ -18,14 +18,54 @@ warm TTFT median; and ours-disk's warm TTFT over ours-ram's.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
-from multiturn import RESULTS, ChatShape, Workloads, chat_sizes, kv_bytes_per_token
-from overflow_sweep import NAME, run
+from multiturn import (
+    RESULTS,
+    ChatShape,
+    Server,
+    Workloads,
+    add_ceilings,
+    chat_sizes,
+    kv_bytes_per_token,
+    running,
+    summarize,
+)
+from openai import AsyncOpenAI
 
 from app.models.default_model import default_model_dir
+
+NAME = "3-overflow"
+
+
+async def drive(server: Server, model: str, workloads: Workloads, shape: ChatShape) -> None:
+    client = AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=3600
+    )
+    async with client:
+        await workloads.chats(server, client, model, shape)
+
+
+def run(
+    kind: str,
+    model: str,
+    budget: int,
+    workloads: Workloads,
+    shape: ChatShape,
+    tokenizer,
+    extra: Sequence[str] = (),
+) -> dict:
+    with running(kind, model, 64, budget, extra) as server:
+        asyncio.run(drive(server, "bench" if kind != "peer" else model, workloads, shape))
+    add_ceilings(server.calls, tokenizer)
+    return summarize({kind: server})[NAME][kind] | {
+        "peak_rss": server.peak_rss,
+        "cache_bytes_peak": server.cache_bytes_peak,
+    }
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ it is measured right after each N's follow-ups, in this process while the server
 idle (this host's speed drifts over minutes: the two sides of a ratio are measured
 together), on the same model with the same CPU fast path (attention and SwiGLU) and
 MLX's buffer pool limited as the server limits it (MLX's default pool prefills long
-prompts more slowly: bench/alloc_prefill.py): a cache holding that many tokens, the
+prompts more slowly: bench/README.md): a cache holding that many tokens, the
 new tokens prefilled in the server's chunks (512; their logits never computed), then
 one decode step. Medians of `--repeat` on both sides. A prompt of one chunk the server
 prefills whole and samples from its last position (`prefill_alone`), with no decode

@@ -1,7 +1,7 @@
 """Use Debian's OpenBLAS for MLX's CPU matmuls when it is installed.
 
 The `mlx[cpu]` wheel bundles the reference BLAS, many times slower for float32
-prefill than OpenBLAS (bench/prefill_blas.py, bench/README.md). The library has
+prefill than OpenBLAS (bench/README.md, "The CPU path"). The library has
 to be loaded before MLX is, so a process that lacks it re-executes
 itself once with LD_PRELOAD set; the user never has to know.
 """

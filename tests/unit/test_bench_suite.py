@@ -1,0 +1,37 @@
+"""bench/ is one suite: every workload `python -m bench` names has its script, and
+bench/results/ holds each workload's result and the plots the docs embed, nothing else."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def suite():
+    spec = importlib.util.spec_from_file_location("bench_suite", BENCH / "__main__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_workload_has_its_script_and_every_script_a_workload():
+    workloads = suite().WORKLOADS
+    scripts = {w.script for w in workloads.values()}
+    assert all((BENCH / s).is_file() for s in scripts)
+    # multiturn.py's helpers are shared by the others; no script runs outside the suite.
+    assert {p.name for p in BENCH.glob("*.py")} - {"__main__.py"} == scripts
+
+
+def test_results_hold_each_workloads_file_and_the_embedded_plots_only():
+    results = {w.result for w in suite().WORKLOADS.values()}
+    docs = [BENCH.parent / "README.md", *BENCH.parent.glob("docs/*.md"), BENCH / "README.md"]
+    embedded = {m for d in docs for m in re.findall(r"!\[[^]]*\]\([^)]*results/([^)]+)\)",
+                                                     d.read_text())}  # fmt: skip
+    held = {p.name for p in (BENCH / "results").iterdir()}
+    assert embedded <= held, "a plot the docs embed is missing"
+    assert held - embedded <= results, "not a workload's result nor an embedded plot"
