@@ -69,7 +69,12 @@ def check_heads(config: dict[str, Any], processes: int) -> None:
     """mlx-lm splits every layer's heads evenly, and gives a wrong model when they do not
     divide: refuse that with what to do instead."""
     text = config.get("text_config", config)
-    for key, what in (("num_attention_heads", "attention"), ("num_key_value_heads", "KV")):
+    for key, what in (
+        ("num_attention_heads", "attention"),
+        ("num_key_value_heads", "KV"),
+        ("linear_num_key_heads", "linear-attention key"),
+        ("linear_num_value_heads", "linear-attention value"),
+    ):
         heads = text.get(key)
         if isinstance(heads, int) and heads % processes:
             raise ValueError(

@@ -144,6 +144,38 @@ def test_a_window_model_resumes_where_two_messages_part(arch, tmp_path):
     assert cached[1][1] == common_prefix_length(first, second) > len(peer.tokenizer.encode(doc))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
+def test_a_warm_prompt_is_where_the_first_request_resumes(arch, tmp_path):
+    from app.serving.warm import warm
+
+    path = build_hybrid_model(tmp_path / arch, arch)
+    system = {"role": "system", "content": SYSTEM}
+    shared = Peer(load_tokenizer(path)).render([system], generation=False)
+    ask = [system, {"role": "user", "content": "Hi there."}]
+    body = {"model": "m", "messages": ask, "max_tokens": 10, "temperature": 0}
+    with serving(str(path), served_model_name="m") as live:
+        assert warm(live.engine, [{"messages": [system]}], [None]) == len(shared)
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()
+    with serving(str(path), served_model_name="m", no_cache=True) as live:
+        fresh = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert r["choices"][0]["message"] == fresh["choices"][0]["message"]
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(shared)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gpt_oss"])
+def test_a_hybrid_sharded_by_heads_equals_one_process(arch, tmp_path):
+    """Two ranks under mlx.launch, each with its shard of every layer (linear attention's
+    and windows' heads too): the same replies and reuse as one process."""
+    from tests.e2e.test_sharded import launched
+
+    path = build_hybrid_model(tmp_path / arch, arch)
+    with serving(str(path), served_model_name="m") as one:
+        expected = converse(one.url, None)
+    with launched(path, "--served-model-name", "m", log=tmp_path / "launch.log") as (_, url):
+        got = converse(url, None)
+    assert got == expected
+
+
 def test_the_budget_holds_with_checkpoints(tmp_path):
     path = build_hybrid_model(tmp_path / "gpt_oss", "gpt_oss")
     budget = 300_000
