@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds running streams should wait at most while prompts prefill (default 0.8)",
     )
     serve.add_argument(
+        "--no-speculation",
+        dest="speculation",
+        action="store_false",
+        default=None,
+        help="decode one token a step always: no prompt-lookup drafts (same output, slower)",
+    )
+    serve.add_argument(
         "--no-cpu-fast-path",
         dest="cpu_fast_path",
         action="store_false",

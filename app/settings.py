@@ -57,6 +57,8 @@ class Settings:
     # On MLX's CPU device, the ops MLX's scalar exp slows (attention's softmax, the MLP's
     # SwiGLU, the logits' normalization) through numpy: app/runtime/cpu_*.py.
     cpu_fast_path: bool = True
+    # A lone greedy stream verifies prompt-lookup drafts (app/engine/drafting.py).
+    speculation: bool = True
     kv_bits: int | None = None  # quantize the KV cache to this many bits; None: as the model
     kv_group_size: int = 64
     # Under `mlx.launch`: shard the model by layers (pipeline) rather than by heads (tensor).

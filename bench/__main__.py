@@ -41,6 +41,8 @@ WORKLOADS = {
                       "Claude Code and Codex sessions through /v1/messages and /v1/responses"),
     "decode": Workload("decode.py", ("--rounds", "3"), "decode.json",
                        "decode throughput with 8 and 16 streams"),
+    "speculation": Workload("speculation.py", (), "speculation.json",
+                            "prompt-lookup drafts: edit-style turns and chat, on and off"),
     "mixed": Workload("mixed.py", ("--rounds", "3"), "mixed.json",
                       "running streams beside a long prompt's prefill"),
     "cache-ops": Workload("cache_ops.py", (), "cache_ops.json",

@@ -53,6 +53,7 @@ class Batch(Entering, PromptSteps, Exits):
         self.engine = engine
         self.gen = MixedGenerator(engine.model, **engine.batch_args)
         self.side = MixedGenerator(engine.model, **engine.batch_args)
+        self.gen.on_verified = self.side.on_verified = self._verified
         self.side._uid_count = SIDE_UIDS  # mlx-lm numbers from this counter
         self.active: dict[int, Request] = {}
         self.queue: list[tuple[Request, float]] = []
@@ -174,7 +175,9 @@ class Batch(Entering, PromptSteps, Exits):
         for progress in prefills:
             self._on_prefill(progress)
         for r in responses:
-            request = self.active[r.uid]
+            request = self.active.get(r.uid)
+            if request is None:  # ended at an earlier token of a verified draft (a stop string)
+                continue
             if request.fault is not None:
                 if r.finish_reason is not None:  # out of the batch already
                     self._fail_faulted(self.active.pop(r.uid))
@@ -186,6 +189,14 @@ class Batch(Entering, PromptSteps, Exits):
                 return r.prompt_cache, r.all_tokens
 
             self._deliver(request, r.token, r.logprobs, r.finish_reason, state)
+
+    def _verified(self, uid: int, drafted: int, accepted: int) -> None:
+        request = self.active.get(uid)
+        if request is not None:
+            request.drafted += drafted
+            request.accepted += accepted
+        self.engine.stats.drafted += drafted
+        self.engine.stats.accepted += accepted
 
     def _prefilling(self) -> list[Request]:
         """The admitted requests whose prompts are still being prefilled."""

@@ -50,6 +50,7 @@ class Engine(EngineThread):
         generation_config: dict[str, Any] | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        speculation: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -82,6 +83,7 @@ class Engine(EngineThread):
             "prefill_batch_size": prefill_batch_size,
             "prefill_step_size": prefill_step_size,
             "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
+            "speculation": speculation,
         }
         self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
         # Where the steps' inputs come from: this process, or rank 0 of a sharded server.

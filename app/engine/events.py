@@ -67,6 +67,8 @@ class Finished:
     reason: str  # "stop", "length" or "cancelled"
     completion_tokens: int
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    drafted: int = 0  # draft tokens verified for it (`speculative`), and accepted
+    accepted: int = 0
 
 
 @dataclass
@@ -84,3 +86,5 @@ class EngineStats:
     finished: int = 0
     cancelled: int = 0
     failed: int = 0
+    drafted: int = 0  # draft tokens verified (`speculative`)
+    accepted: int = 0  # of which accepted

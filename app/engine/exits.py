@@ -92,7 +92,8 @@ def deliver(
     kv = state()
     if delta.text or delta.logprobs:
         request.emit(delta)
-    request.end(Finished(reason, request.generated, request.stops.matched))
+    request.end(Finished(reason, request.generated, request.stops.matched, request.drafted,
+                         request.accepted))  # fmt: skip
     engine.stats.finished += 1
     store(engine, request, kv)
     return True

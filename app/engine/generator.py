@@ -23,6 +23,7 @@ batch's `prompt` are their own again after every step, raised or not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +31,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchRotatingKVCache
 
 from ..runtime.forward_together import forward_together, logits, supports
+from .drafting import Pace, PromptLookup
+from .speculative import can_verify, verify
 
 
 def _mask_in_order(make_mask: Any) -> Any:
@@ -53,16 +56,29 @@ if not getattr(BatchRotatingKVCache.make_mask, "patched", False):
 
 
 class MixedGenerator(BatchGenerator):
-    """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass."""
+    """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass,
+    and (`speculation`) a lone greedy stream's step that verifies a prompt-lookup draft."""
 
-    def __init__(self, model: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any, speculation: bool = False, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.together = supports(model)  # off: every step is mlx-lm's own
+        self.speculation = speculation
+        self._drafting: dict[int, tuple[PromptLookup, Pace]] = {}  # the lone stream's
+        self.drafted = self.accepted = 0  # draft tokens verified, and accepted, so far
+        self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         chunk = self._chunk_beside() if self.together else None
         if chunk is None:
-            return super()._next()
+            draft = self._draft() if self.speculation else []
+            if not draft:
+                return super()._next()
+            streams = self._generation_batch
+            streams.next = lambda: self._verified(streams, draft)
+            try:
+                return super()._next()
+            finally:
+                del streams.next  # the instance's stand-in: the class's method again
         streams, prompt = self._generation_batch, self._prompt_batch
         own = streams.model
         streams.model = _Together(self.model, mx.array([chunk]), prompt.prompt_cache)
@@ -72,6 +88,34 @@ class MixedGenerator(BatchGenerator):
         finally:
             streams.model = own
             del prompt.prompt  # the instance's stand-in: the class's method again
+
+    def _draft(self) -> list[int]:
+        """A draft for the next step: the lone greedy stream's prompt-lookup guess, as long
+        as its `Pace` says and its `max_tokens` leaves room for; [] for a plain step."""
+        streams = self._generation_batch
+        if not can_verify(streams):
+            return []
+        uid = streams.uids[0]
+        if uid not in self._drafting:
+            self._drafting = {uid: (PromptLookup(), Pace())}  # the last one's is done with
+        lookup, pace = self._drafting[uid]
+        room = streams.max_tokens[0] - streams._num_tokens[0] - 1
+        k = min(pace.next_length(), room)
+        if k <= 0:
+            return []
+        lookup.extend([*streams.tokens[0][len(lookup.tokens) :], int(streams._next_tokens[0])])
+        return lookup.draft(k)
+
+    def _verified(self, streams: Any, draft: list[int]) -> list[Any]:
+        responses, accepted = verify(streams, draft)
+        uid = responses[0].uid
+        if uid in self._drafting:
+            self._drafting[uid][1].saw(len(draft), accepted)
+        self.drafted += len(draft)
+        self.accepted += accepted
+        if self.on_verified is not None:
+            self.on_verified(uid, len(draft), accepted)
+        return responses
 
     def _chunk_beside(self) -> list[int] | None:
         """The tokens the next step prefills if it decodes the streams and prefills one

@@ -38,6 +38,8 @@ class Request:
     cancelled: bool = False  # as the engine's steps see it
     uid: int = -1
     generated: int = 0
+    drafted: int = 0  # draft tokens verified for it, and accepted (`speculative`)
+    accepted: int = 0
     detok: Any = None
     stops: StopMatcher | None = None
     prefilling: bool = False

@@ -80,6 +80,7 @@ def build_engine(
         generation_config=model_config,
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
+        speculation=settings.speculation,
     )
     if cache is not None:
         log.info("prompt cache for %s: %s", model_id, _mode_in_words(engine))

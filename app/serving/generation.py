@@ -185,6 +185,9 @@ def _record(ctx, metrics, t0, first, started, finished, generated) -> None:
                 "ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
                 "total_ms": round(total * 1000, 1),
                 "finish_reason": reason,
+                # Prompt-lookup draft tokens verified, and accepted (`engine.speculative`).
+                "drafted": finished.drafted if isinstance(finished, Finished) else 0,
+                "accepted": finished.accepted if isinstance(finished, Finished) else 0,
             }
         )
     )

@@ -64,6 +64,7 @@ class _ModelsCollector:
         running = sum(e.running for e in engines)
         yield _gauge("mlx_running_requests", "Requests being generated", running)
         yield from _caches(engines)
+        yield from _drafts(engines)
 
     def _models(self) -> Iterator[Metric]:
         labels = ["model"]
@@ -88,6 +89,19 @@ class _ModelsCollector:
         yield from (loaded, nbytes, loads, unloads, seconds)
         if self.pool.budget is not None:
             yield _gauge("mlx_memory_budget_bytes", "The models' memory budget", self.pool.budget)
+
+
+def _drafts(engines: list[Engine]) -> Iterator[Metric]:
+    drafted = CounterMetricFamily(
+        "mlx_speculation_drafted_tokens", "Draft tokens verified", labels=["model"]
+    )
+    accepted = CounterMetricFamily(
+        "mlx_speculation_accepted_tokens", "Draft tokens accepted", labels=["model"]
+    )
+    for engine in engines:
+        drafted.add_metric([engine.model_id], engine.stats.drafted)
+        accepted.add_metric([engine.model_id], engine.stats.accepted)
+    yield from (drafted, accepted)
 
 
 def _caches(engines: list[Engine]) -> Iterator[Metric]:

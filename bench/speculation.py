@@ -1,0 +1,132 @@
+"""Prompt-lookup speculation: edit-style turns and ordinary chat, with it and without.
+
+Three servers, each alone in turn (default model, OpenBLAS, `multiturn.start`): ours,
+ours with `--no-speculation`, and mlx_lm.server (which has no draft model to use here).
+Two workloads through the `openai` SDK, greedy, streamed with usage:
+
+  edit  a prompt holding a source file of this repository (~1,500 tokens) and the
+        instruction to return it whole with one name changed: the reply copies the
+        prompt, which is what prompt lookup drafts from; 1 stream, then 4 at once
+  chat  short questions whose answers the prompt does not hold: speculation must not
+        make these slower
+
+Reported per server and workload: decode tokens/s per stream (completion tokens after the
+first over the time from the first to the last content chunk), median over the requests;
+ours over ours without speculation and over the peer; the draft tokens ours verified and
+accepted (from /metrics); and whether the replies are identical across servers.
+
+    python bench/speculation.py [--tokens 400] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from multiturn import RESULTS, running
+from openai import OpenAI
+
+from app.models.default_model import default_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ["app/engine/drafting.py", "app/engine/speculative.py", "prompt_cache/eviction.py",
+         "app/engine/placement.py"]  # fmt: skip
+QUESTIONS = ["Why is the sky blue?", "Name three uses of copper.", "What is a prime number?",
+             "How do bees make honey?"]  # fmt: skip
+
+
+def edit_prompt(path: str) -> list[dict]:
+    source = (ROOT / path).read_text()[:5000]
+    name = re.findall(r"def (\w+)", source)[0]
+    text = (f"Here is a file:\n\n```python\n{source}\n```\n\nReturn the whole file, unchanged "
+            f"except that the function `{name}` is renamed `{name}_v2`.")  # fmt: skip
+    return [{"role": "user", "content": text}]
+
+
+def one(url: str, model: str, messages: list[dict], tokens: int, out: list) -> None:
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600)
+    times, text, usage = [], "", None
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):  # fmt: skip
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+            text += chunk.choices[0].delta.content
+    n = usage.completion_tokens if usage else 0
+    rate = (n - 1) / (times[-1] - times[0]) if len(times) > 1 else None
+    out.append({"text": text, "tokens": n, "tokens_per_s": rate})
+
+
+def together(url: str, model: str, prompts: list[list[dict]], tokens: int) -> list[dict]:
+    out: list[dict] = []
+    threads = [threading.Thread(target=one, args=(url, model, p, tokens, out)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def drafts(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    found = dict(re.findall(r"^mlx_speculation_(\w+)_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+    return {k: float(v) for k, v in found.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "speculation.json")
+    args = ap.parse_args()
+    model = str(default_model_dir())
+    edits = [edit_prompt(f) for f in FILES]
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    servers = {"ours": [], "ours-plain": ["--no-speculation"], "peer": None}
+    results: dict = {}
+    for name, extra in servers.items():
+        kind = "peer" if extra is None else "ours"
+        with running(kind, model, 16, 1 << 30, extra or ()) as server:
+            url = f"http://127.0.0.1:{server.port}"
+            served = model if kind == "peer" else "bench"
+            one(url, served, chats[0], 8, [])  # warm up
+            row: dict = {"edit-1": [], "edit-4": [], "chat-1": []}
+            for _ in range(args.rounds):
+                for prompt in edits:
+                    row["edit-1"] += together(url, served, [prompt], args.tokens)
+                row["edit-4"] += together(url, served, edits, args.tokens)
+                for prompt in chats:
+                    row["chat-1"] += together(url, served, [prompt], args.tokens // 2)
+            if kind == "ours":
+                row["drafts"] = drafts(url)
+            results[name] = row
+            print(f"[{name}] done", flush=True)
+    summary = {}
+    for workload in ("edit-1", "edit-4", "chat-1"):
+        med = {n: statistics.median(r["tokens_per_s"] for r in results[n][workload]
+                                    if r["tokens_per_s"]) for n in servers}  # fmt: skip
+        texts = {n: sorted(r["text"] for r in results[n][workload]) for n in servers}
+        summary[workload] = {
+            "tokens_per_s": med,
+            "ours_over_plain": med["ours"] / med["ours-plain"],
+            "ours_over_peer": med["ours"] / med["peer"],
+            "same_replies_as_plain": texts["ours"] == texts["ours-plain"],
+            "same_replies_as_peer": texts["ours"] == texts["peer"],
+        }
+    d = results["ours"]["drafts"]
+    summary["drafted"], summary["accepted"] = d.get("drafted"), d.get("accepted")
+    args.out.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

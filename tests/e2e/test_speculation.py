@@ -1,0 +1,229 @@
+"""Prompt-lookup speculation: a lone greedy stream verifies drafts in one pass, and its
+output is what it is without speculation, token for token, with stops, limits, logprobs,
+a grammar, a batch of two, a cancel, and the KV the next turn finds in the cache."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from app.engine import Delta, Failed, Finished, SamplingParams, Started
+from app.server import build_engine
+from app.settings import Settings
+from tests.helpers import wait_until
+
+# Text a reply can copy from its prompt: what prompt lookup drafts from.
+SOURCE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n" * 6
+
+
+@dataclass
+class Run:
+    text: str = ""
+    started: Started | None = None
+    finished: Finished | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    deltas: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, event: Any) -> None:
+        if isinstance(event, Started):
+            self.started = event
+        elif isinstance(event, Delta):
+            self.text += event.text
+            self.logprobs += event.logprobs
+            self.deltas += 1
+        elif isinstance(event, Finished | Failed):
+            self.finished = event if isinstance(event, Finished) else None
+            self.done.set()
+
+
+def engine_for(model_dir: str, speculation: bool, **settings: Any):
+    engine = build_engine(Settings(speculation=speculation, **settings), model_dir)
+    engine.start()
+    return engine
+
+
+def ask(engine, tokens: list[int], **params: Any) -> Run:
+    run = Run()
+    engine.submit(tokens, SamplingParams(**{"temperature": 0.0, **params}), run)
+    assert run.done.wait(300)
+    return run
+
+
+def prompt_of(engine, text: str = SOURCE) -> list[int]:
+    return list(engine.tokenizer.encode("Copy this:\n" + text + "\nCopy:\n" + text[:40]))
+
+
+@pytest.fixture(scope="module", params=["tiny", "default"])
+def engines(request, tiny_model_dir):
+    from app.models.default_model import default_model_dir
+
+    model = str(tiny_model_dir if request.param == "tiny" else default_model_dir())
+    on, off = engine_for(model, True), engine_for(model, False)
+    yield on, off, request.param
+    on.stop()
+    off.stop()
+
+
+def test_greedy_output_is_the_same_with_drafts_verified(engines):
+    on, off, model = engines
+    tokens = prompt_of(on)
+    got, want = ask(on, tokens, max_tokens=96), ask(off, tokens, max_tokens=96)
+    assert got.text == want.text
+    assert got.finished.reason == want.finished.reason
+    assert got.finished.completion_tokens == want.finished.completion_tokens
+    # Drafts were verified: the default model copies the source back, so most are right;
+    # the tiny random model does not, so its drafts are rejected and trimmed off.
+    assert got.finished.drafted > 0 and want.finished.drafted == 0
+    if model == "default":
+        assert got.finished.accepted > got.finished.drafted // 3
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7, 13])
+def test_max_tokens_ends_inside_a_draft_where_it_would_without(engines, limit):
+    on, off, _ = engines
+    tokens = prompt_of(on)
+    got, want = ask(on, tokens, max_tokens=limit), ask(off, tokens, max_tokens=limit)
+    assert (got.text, got.finished.reason) == (want.text, want.finished.reason)
+    assert got.finished.completion_tokens == want.finished.completion_tokens == limit
+
+
+def test_a_stop_string_inside_a_draft_ends_the_reply_where_it_would_without(engines):
+    on, off, _ = engines
+    tokens = prompt_of(on)
+    whole = ask(off, tokens, max_tokens=64).text
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    got, want = ask(on, tokens, max_tokens=64, stop=[stop]), ask(off, tokens, max_tokens=64,
+                                                                 stop=[stop])  # fmt: skip
+    assert (got.text, got.finished.reason) == (want.text, want.finished.reason) != ("", None)
+    assert got.finished.stop_sequence == want.finished.stop_sequence == stop
+
+
+def test_logprobs_of_drafted_tokens_are_the_models(engines):
+    on, off, model = engines
+    tokens = prompt_of(on)
+    got, want = ask(on, tokens, max_tokens=40, logprobs=3), ask(off, tokens, max_tokens=40,
+                                                                logprobs=3)  # fmt: skip
+    assert got.text == want.text
+    assert got.finished.accepted > 0 if model == "default" else got.finished.drafted > 0
+    assert [lp.token for lp in got.logprobs] == [lp.token for lp in want.logprobs]
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert [c.token for c in a.top] == [c.token for c in b.top]
+
+
+def test_the_next_turn_finds_what_was_emitted_in_the_cache(engines):
+    on, off, _ = engines
+    tokens = prompt_of(on, SOURCE[:200])
+    results = []
+    for engine in (on, off):
+        first = ask(engine, tokens, max_tokens=48)
+        follow = tokens + list(engine.tokenizer.encode(first.text, add_special_tokens=False))
+        second = ask(engine, follow + [5, 6, 7], max_tokens=4)
+        results.append((first.text, second.started.cached_tokens, second.text))
+    assert results[0] == results[1]
+
+
+def test_sampling_a_grammar_or_a_bias_turns_drafting_off_and_changes_nothing(engines):
+    on, off, _ = engines
+    tokens = prompt_of(on)
+    drafted = on.stats.drafted
+    for params in ({"temperature": 0.8, "seed": 7}, {"logit_bias": {5: 2.0}}):
+        got, want = ask(on, tokens, max_tokens=24, **params), ask(off, tokens, max_tokens=24,
+                                                                  **params)  # fmt: skip
+        assert got.text == want.text
+    assert on.stats.drafted == drafted
+
+
+def test_two_streams_together_decode_as_without(engines):
+    """Drafting is for a stream alone: when a second joins, both decode one token a step;
+    when it leaves, the first drafts again. Every reply as without speculation."""
+    out = []
+    for engine in engines[:2]:
+        tokens = prompt_of(engine)
+        long, short = Run(), Run()
+        engine.submit(tokens, SamplingParams(max_tokens=80, temperature=0.0), long)
+        wait_until(lambda run=long: run.deltas > 2 or run.done.is_set())
+        engine.submit(tokens[5:], SamplingParams(max_tokens=20, temperature=0.0), short)
+        assert long.done.wait(300) and short.done.wait(300)
+        out.append((long.text, short.text, long.finished.reason, short.finished.reason))
+    assert out[0] == out[1]
+
+
+def test_a_request_cancelled_between_drafts_ends_and_the_engine_goes_on(engines):
+    on, off, model = engines
+    if model != "default":
+        pytest.skip("the tiny model ends its reply before there is anything to cancel")
+    tokens = prompt_of(on)
+    run = Run()
+    request = on.submit(tokens, SamplingParams(max_tokens=500, temperature=0.0), run)
+    wait_until(lambda: on.stats.accepted > 0 and run.deltas > 3)
+    request.cancel()
+    assert run.done.wait(60) and run.finished.reason == "cancelled"
+    got, want = ask(on, tokens, max_tokens=16), ask(off, tokens, max_tokens=16)
+    assert got.text == want.text and got.started.cached_tokens > 0
+
+
+def generate(model, prompt: list[int], limit: int, eos: int, oracle=None):
+    """Tokens, finish reason, final KV and tokens of a lone greedy stream; with `oracle`, a
+    function of the tokens generated so far that gives the step's draft."""
+    import mlx.core as mx
+
+    from app.engine.generator import MixedGenerator
+    from app.engine.speculative import can_verify
+
+    gen = MixedGenerator(model, speculation=oracle is not None, max_tokens=limit,
+                         stop_tokens=[[eos]])  # fmt: skip
+    if oracle is not None:
+
+        def draft() -> list[int]:  # as `_draft`, but the oracle's, and past the room left
+            streams = gen._generation_batch
+            if not can_verify(streams):
+                return []
+            return oracle(len(streams.tokens[0]) + 1 - len(prompt))
+
+        gen._draft = draft
+    gen.insert([prompt], max_tokens=[limit])
+    out, end = [], None
+    while True:
+        _, responses = gen.next()
+        if not responses and not gen._generation_batch.uids and end is not None:
+            break
+        for r in responses:
+            out.append(r.token)
+            if r.finish_reason is not None:
+                kv = [mx.array(c.keys[..., : c.offset, :]) for c in r.prompt_cache]
+                end = (r.finish_reason, kv, list(r.all_tokens))
+    gen.close()
+    return out, end, gen.accepted
+
+
+@pytest.mark.parametrize("wrong_at", [None, 0, 3])
+@pytest.mark.parametrize("limit", [7, 40])
+def test_right_drafts_are_accepted_and_wrong_ones_cut_where_they_go_wrong(
+    tiny_model, limit, wrong_at
+):
+    """Drafts from an oracle that knows the reply (one token made wrong at `wrong_at`): the
+    reply, the reason it ended (its end-of-text token, or the limit, inside a draft) and
+    the KV it leaves are those of plain steps."""
+    import numpy as np
+
+    model, tokenizer = tiny_model
+    prompt = list(tokenizer.encode(SOURCE))
+    eos = tokenizer.eos_token_id
+    want, (reason, kv, tokens), _ = generate(model, prompt, limit, eos)
+
+    def oracle(done: int) -> list[int]:
+        draft = want[done : done + 5] + [eos] * 8  # past the end: more than the room left
+        if wrong_at is not None and done <= wrong_at < done + len(draft):
+            draft[wrong_at - done] = (draft[wrong_at - done] + 1) % 50
+        return draft
+
+    got, (got_reason, got_kv, got_tokens), accepted = generate(model, prompt, limit, eos, oracle)
+    assert got == want and got_reason == reason and got_tokens == tokens
+    assert accepted > 0
+    for a, b in zip(got_kv, kv, strict=True):
+        assert a.shape == b.shape and np.allclose(np.array(a), np.array(b), atol=1e-4)
