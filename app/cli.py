@@ -96,6 +96,14 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds running streams should wait at most while prompts prefill (default 0.8)",
     )
     serve.add_argument(
+        "--draft-model",
+        help="a small model of the same tokenizer (a folder or hub id) that drafts a lone "
+        "greedy stream's next tokens where prompt lookup finds none",
+    )
+    serve.add_argument(
+        "--num-draft-tokens", type=int, help="tokens the draft model drafts a step (default 3)"
+    )
+    serve.add_argument(
         "--no-speculation",
         dest="speculation",
         action="store_false",

@@ -59,6 +59,9 @@ class Settings:
     cpu_fast_path: bool = True
     # A lone greedy stream verifies prompt-lookup drafts (app/engine/drafting.py).
     speculation: bool = True
+    # A small model of the same tokenizer drafting where prompt lookup finds nothing.
+    draft_model: str | None = None
+    num_draft_tokens: int = 3
     kv_bits: int | None = None  # quantize the KV cache to this many bits; None: as the model
     kv_group_size: int = 64
     # Under `mlx.launch`: shard the model by layers (pipeline) rather than by heads (tensor).

@@ -23,6 +23,7 @@ from prompt_cache import PromptCache, fresh_cache
 from prompt_cache.layers import mode_of
 
 from .constraint import GrammarTokenizer
+from .draft_model import DraftModel
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
 from .request import Request
 from .steps import LocalSteps, StepSource
@@ -51,6 +52,7 @@ class Engine(EngineThread):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         speculation: bool = True,
+        draft: DraftModel | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -84,6 +86,7 @@ class Engine(EngineThread):
             "prefill_step_size": prefill_step_size,
             "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
             "speculation": speculation,
+            "draft": draft,
         }
         self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
         # Where the steps' inputs come from: this process, or rank 0 of a sharded server.

@@ -31,6 +31,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchRotatingKVCache
 
 from ..runtime.forward_together import forward_together, logits, supports
+from .draft_model import DraftModel, DraftState
 from .drafting import Pace, PromptLookup
 from .speculative import can_verify, verify
 
@@ -57,13 +58,22 @@ if not getattr(BatchRotatingKVCache.make_mask, "patched", False):
 
 class MixedGenerator(BatchGenerator):
     """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass,
-    and (`speculation`) a lone greedy stream's step that verifies a prompt-lookup draft."""
+    and (`speculation`) a lone greedy stream's step that verifies a draft: prompt lookup's,
+    or where that finds none, the draft model's (`draft`)."""
 
-    def __init__(self, model: Any, speculation: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        speculation: bool = False,
+        draft: DraftModel | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(model, **kwargs)
         self.together = supports(model)  # off: every step is mlx-lm's own
-        self.speculation = speculation
-        self._drafting: dict[int, tuple[PromptLookup, Pace]] = {}  # the lone stream's
+        self.speculation, self.draft_model = speculation, draft
+        # The lone stream's: its lookup index, its pace, its draft model's KV.
+        self._drafting: dict[int, tuple[PromptLookup, Pace, DraftState | None]] = {}
+        self._from_model: DraftState | None = None  # the step's draft came from it
         self.drafted = self.accepted = 0  # draft tokens verified, and accepted, so far
         self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
 
@@ -96,20 +106,26 @@ class MixedGenerator(BatchGenerator):
         if not can_verify(streams):
             return []
         uid = streams.uids[0]
-        if uid not in self._drafting:
-            self._drafting = {uid: (PromptLookup(), Pace())}  # the last one's is done with
-        lookup, pace = self._drafting[uid]
+        if uid not in self._drafting:  # the last one's is done with
+            state = self.draft_model.start() if self.draft_model is not None else None
+            self._drafting = {uid: (PromptLookup(), Pace(), state)}
+        lookup, pace, state = self._drafting[uid]
+        lookup.extend([*streams.tokens[0][len(lookup.tokens) :], int(streams._next_tokens[0])])
         room = streams.max_tokens[0] - streams._num_tokens[0] - 1
         k = min(pace.next_length(), room)
-        if k <= 0:
-            return []
-        lookup.extend([*streams.tokens[0][len(lookup.tokens) :], int(streams._next_tokens[0])])
-        return lookup.draft(k)
+        draft = lookup.draft(k) if k > 0 else []
+        self._from_model = None
+        if not draft and state is not None and room > 0:
+            draft = state.draft(lookup.tokens, min(self.draft_model.tokens, room))
+            self._from_model = state
+        return draft
 
     def _verified(self, streams: Any, draft: list[int]) -> list[Any]:
         responses, accepted = verify(streams, draft)
         uid = responses[0].uid
-        if uid in self._drafting:
+        if self._from_model is not None:
+            self._from_model.accept(accepted)
+        elif uid in self._drafting:
             self._drafting[uid][1].saw(len(draft), accepted)
         self.drafted += len(draft)
         self.accepted += accepted

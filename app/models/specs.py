@@ -105,6 +105,8 @@ def model_specs(settings: Settings, default_name: str) -> list[ModelSpec]:
                     "give each model its own id and aliases"
                 )
             seen[name] = spec.id
+    if settings.draft_model and len(specs) > 1:
+        raise ValueError("--draft-model drafts for one model: serve one model with it, or drop it")
     return specs
 
 

@@ -13,6 +13,7 @@ from prompt_cache import PromptCache, layers
 from prompt_cache.disk import DiskTier, DiskTierBusy, DiskTierUnavailable
 
 from ..engine import Engine
+from ..engine.draft_model import DraftModel
 from ..engine.sharded import FollowerSteps, LeaderSteps, rank_bytes
 from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
@@ -81,6 +82,7 @@ def build_engine(
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
         speculation=settings.speculation,
+        draft=load_draft(settings, tokenizer) if settings.draft_model else None,
     )
     if cache is not None:
         log.info("prompt cache for %s: %s", model_id, _mode_in_words(engine))
@@ -94,6 +96,25 @@ def build_engine(
         else:
             engine.steps = FollowerSteps(group, cache, engine.grammars, engine.stats)
     return engine
+
+
+def load_draft(settings: Settings, tokenizer: Any) -> DraftModel | None:
+    """`--draft-model`, checked against the served model's tokenizer (None: speculation
+    is off, so it would never draft)."""
+    from mlx_lm import load
+
+    if not settings.speculation:
+        log.warning("--draft-model is not used: --no-speculation turns drafting off")
+        return None
+    model, theirs = load(settings.draft_model)
+    if theirs.vocab != tokenizer.vocab:
+        raise ValueError(
+            f"the draft model {settings.draft_model} has another tokenizer than the served "
+            "model: a draft model must share its tokenizer, token for token"
+        )
+    if settings.cpu_fast_path and mx.default_device() == mx.cpu:
+        cpu_fast_path.install(model)
+    return DraftModel(model, settings.num_draft_tokens)
 
 
 def _mode_in_words(engine: Engine) -> str:

@@ -34,6 +34,8 @@ def refusal(settings: Settings, n_models: int) -> str | None:
         return "a sharded server serves one model: drop the other --model flags and [[models]]"
     if settings.cache_dir:
         return "a sharded server has no disk tier yet: drop --cache-dir"
+    if settings.draft_model:
+        return "a sharded server has no draft model yet: drop --draft-model"
     if settings.kv_bits is not None:
         return "a sharded server keeps the KV cache unquantized: drop --kv-bits"
     if not settings.shard_timeout >= 1:  # an idle rank 0 waits 0.1 s for requests each step

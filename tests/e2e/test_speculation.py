@@ -227,3 +227,44 @@ def test_right_drafts_are_accepted_and_wrong_ones_cut_where_they_go_wrong(
     assert accepted > 0
     for a, b in zip(got_kv, kv, strict=True):
         assert a.shape == b.shape and np.allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1])
+def test_a_draft_model_drafts_where_lookup_finds_nothing(tiny_model_dir, tmp_path, draft_seed):
+    """The target itself as its draft model (seed 0): every draft right; another random model
+    (seed 1): most wrong. The reply is the plain one either way."""
+    from tests.tiny_model import build_tiny_model
+
+    draft = tiny_model_dir if draft_seed == 0 else build_tiny_model(tmp_path / "d", seed=1)
+    on = engine_for(str(tiny_model_dir), True, draft_model=str(draft), num_draft_tokens=4)
+    off = engine_for(str(tiny_model_dir), False)
+    try:
+        tokens = list(on.tokenizer.encode("qzx vbn wkj"))  # nothing in it to look up
+        got, want = ask(on, tokens, max_tokens=30), ask(off, tokens, max_tokens=30)
+        assert (got.text, got.finished.reason) == (want.text, want.finished.reason)
+        assert got.finished.drafted > 0
+        if draft_seed == 0:
+            assert got.finished.accepted == got.finished.drafted
+        follow = ask(on, tokens + [7, 8], max_tokens=5)  # a second request: a new draft KV
+        assert follow.text == ask(off, tokens + [7, 8], max_tokens=5).text
+    finally:
+        on.stop()
+        off.stop()
+
+
+def test_a_draft_model_of_another_tokenizer_is_refused(tiny_model_dir):
+    from app.models.default_model import default_model_dir
+
+    with pytest.raises(ValueError, match="another tokenizer"):
+        build_engine(Settings(draft_model=str(default_model_dir())), str(tiny_model_dir))
+
+
+def test_a_draft_model_goes_with_one_model_and_no_sharding(tiny_model_dir):
+    from app.models.specs import model_specs
+    from app.server.sharded import refusal
+
+    two = Settings(model=str(tiny_model_dir), models=[{"path": str(tiny_model_dir), "id": "b"}],
+                   draft_model="x")  # fmt: skip
+    with pytest.raises(ValueError, match="drafts for one model"):
+        model_specs(two, "default")
+    assert "draft model" in refusal(Settings(draft_model="x"), 1)
