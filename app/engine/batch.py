@@ -174,6 +174,9 @@ class Batch(Entering, PromptSteps, Exits):
         """A generator's step's results: prompts' progress, then each sequence's token."""
         for progress in prefills:
             self._on_prefill(progress)
+        # A verified draft can end in mlx-lm's batch (its limit, an end token) at a later
+        # token than a stop string ends it here: the KV comes with that later response.
+        ended = {r.uid: r for r in responses if r.finish_reason is not None}
         for r in responses:
             request = self.active.get(r.uid)
             if request is None:  # ended at an earlier token of a verified draft (a stop string)
@@ -184,7 +187,9 @@ class Batch(Entering, PromptSteps, Exits):
                 continue
 
             def state(r: Any = r) -> State | None:
-                if r.finish_reason is None:  # stopped by a stop string: take it out
+                if r.finish_reason is None and r.uid in ended:  # out of the batch already
+                    r = ended[r.uid]
+                elif r.finish_reason is None:  # stopped by a stop string: take it out
                     return self._remove([r.uid], return_prompt_caches=True).get(r.uid)
                 return r.prompt_cache, r.all_tokens
 

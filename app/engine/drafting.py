@@ -61,7 +61,12 @@ class PromptLookup:
                 best, best_run = end, run
             if run == MAX_N:
                 break
-        return [] if best is None else seq[best : best + k]
+        if best is None:
+            return []
+        # A match running into the sequence's end is a cycle of that period (a run of one
+        # token, a repeated line): it goes on as one, not for just one period.
+        period = len(seq) - best
+        return [seq[best + i % period] for i in range(k)] if period < k else seq[best : best + k]
 
 
 @dataclass

@@ -52,7 +52,8 @@ class Exits:
         for uid in gone:
             self._store(self.active[uid], caches.get(uid))
             request = self.active.pop(uid)
-            request.end(Finished("cancelled", request.generated))
+            request.end(Finished("cancelled", request.generated, None, request.drafted,
+                                 request.accepted))  # fmt: skip
             self.engine.stats.cancelled += 1
             self._release(request)
 

@@ -28,6 +28,8 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..runtime import cpu_logprobs
+
 
 def can_verify(batch: GenerationBatch) -> bool:
     """Whether `batch` is one greedy sequence whose caches a trim rolls back."""
@@ -51,7 +53,8 @@ def verify(batch: GenerationBatch, draft: list[int]) -> tuple[list[Any], int]:
     first = batch._next_tokens
     inputs = mx.concatenate([first, mx.array(draft, dtype=first.dtype)])[None]
     logits = batch.model(inputs, cache=batch.prompt_cache)[0]
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    # k+1 rows: numpy's vectorized exp where the CPU fast path is on (`cpu_logprobs`).
+    logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
     chosen = mx.argmax(logprobs, axis=-1)
     mx.eval(chosen, logprobs, batch._next_logprobs)
     model_says = chosen.tolist()

@@ -19,6 +19,7 @@ from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
 from ..models.specs import model_id as model_id_of
 from ..runtime import cpu_activations, cpu_attention, cpu_fast_path, cpu_logprobs
+from ..runtime.blas import describe as describe_blas
 from ..serving.defaults import generation_config, model_folder
 from ..settings import Settings
 from .sharded import load_shard
@@ -81,8 +82,8 @@ def build_engine(
         generation_config=model_config,
         kv_bits=settings.kv_bits,
         kv_group_size=settings.kv_group_size,
-        speculation=settings.speculation,
-        draft=load_draft(settings, tokenizer) if settings.draft_model else None,
+        speculation=(speculate := speculation_pays(settings)),
+        draft=load_draft(settings, tokenizer) if settings.draft_model and speculate else None,
     )
     if cache is not None:
         log.info("prompt cache for %s: %s", model_id, _mode_in_words(engine))
@@ -98,14 +99,24 @@ def build_engine(
     return engine
 
 
-def load_draft(settings: Settings, tokenizer: Any) -> DraftModel | None:
-    """`--draft-model`, checked against the served model's tokenizer (None: speculation
-    is off, so it would never draft)."""
+def speculation_pays(settings: Settings) -> bool:
+    """Whether drafts are verified: asked for, and not on a CPU whose matmuls run on the
+    reference BLAS, where a pass over a draft's tokens costs several single steps."""
+    if settings.draft_model and not settings.speculation:
+        log.warning("--draft-model is not used: --no-speculation turns drafting off")
+    if not settings.speculation:
+        return False
+    if mx.default_device() == mx.cpu and not describe_blas()[1]:
+        log.warning("speculation off: without OpenBLAS, a pass over a draft costs more than "
+                    "the steps it saves")  # fmt: skip
+        return False
+    return True
+
+
+def load_draft(settings: Settings, tokenizer: Any) -> DraftModel:
+    """`--draft-model`, checked against the served model's tokenizer."""
     from mlx_lm import load
 
-    if not settings.speculation:
-        log.warning("--draft-model is not used: --no-speculation turns drafting off")
-        return None
     model, theirs = load(settings.draft_model)
     if theirs.vocab != tokenizer.vocab:
         raise ValueError(

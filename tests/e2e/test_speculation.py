@@ -11,9 +11,16 @@ from typing import Any
 import pytest
 
 from app.engine import Delta, Failed, Finished, SamplingParams, Started
+from app.runtime.blas import describe as describe_blas
 from app.server import build_engine
 from app.settings import Settings
 from tests.helpers import wait_until
+
+# Without a fast BLAS the server turns speculation off (a pass over a draft costs more).
+pytestmark = pytest.mark.skipif(
+    not describe_blas()[1],
+    reason="speculation is off without OpenBLAS (apt-get install libopenblas0-pthread)",
+)
 
 # Text a reply can copy from its prompt: what prompt lookup drafts from.
 SOURCE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n" * 6
@@ -268,3 +275,45 @@ def test_a_draft_model_goes_with_one_model_and_no_sharding(tiny_model_dir):
     with pytest.raises(ValueError, match="drafts for one model"):
         model_specs(two, "default")
     assert "draft model" in refusal(Settings(draft_model="x"), 1)
+
+
+def test_a_stop_string_and_the_limit_in_one_draft_leave_the_kv_for_the_next_turn(
+    tiny_model_dir, monkeypatch
+):
+    """Drafts from an oracle (the plain reply), so that one draft holds both a stop string
+    and the token where `max_tokens` ends the sequence in mlx-lm's batch: the reply ends at
+    the stop string, and its KV still goes to the cache for the next turn."""
+    import app.engine.generator as generator
+    from app.engine.speculative import can_verify
+
+    off = engine_for(str(tiny_model_dir), False)
+    prompt = list(off.tokenizer.encode("Copy this: the quick brown fox jumps over it. " * 3))
+    limit = 14
+    want = ask(off, prompt, max_tokens=limit)
+    reply = list(off.tokenizer.encode(want.text, add_special_tokens=False))
+
+    def oracle(self) -> list[int]:
+        streams = self._generation_batch
+        if not can_verify(streams):
+            return []
+        done = len(streams.tokens[0]) + 1 - len(prompt)
+        return reply[done : done + streams.max_tokens[0] - streams._num_tokens[0] - 1]
+
+    monkeypatch.setattr(generator.MixedGenerator, "_draft", oracle)
+    on = engine_for(str(tiny_model_dir), True)
+    try:
+        stop = next(want.text[i : i + 2] for i in range(4, 9)
+                    if want.text.find(want.text[i : i + 2]) == i)  # fmt: skip
+        turns = []
+        for engine in (on, off):
+            first = ask(engine, prompt, max_tokens=limit, stop=[stop])
+            follow = prompt + list(engine.tokenizer.encode(first.text + " next",
+                                                           add_special_tokens=False))  # fmt: skip
+            second = ask(engine, follow, max_tokens=4)
+            turns.append((first.text, first.finished.reason, second.started.cached_tokens,
+                          second.text))  # fmt: skip
+        assert on.stats.accepted > 0
+        assert turns[0] == turns[1]
+    finally:
+        on.stop()
+        off.stop()

@@ -14,7 +14,8 @@ def lookup(tokens: list[int]) -> PromptLookup:
 def test_the_tokens_after_the_latest_earlier_occurrence_of_the_suffix():
     seq = [1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 5, 1, 2, 3]
     assert lookup(seq).draft(2) == [7, 7]  # the later of the two earlier "1 2 3"
-    assert lookup(seq).draft(10) == [7, 7, 5, 1, 2, 3]  # up to the sequence's end
+    assert lookup(seq).draft(6) == [7, 7, 5, 1, 2, 3]  # up to the sequence's end...
+    assert lookup(seq).draft(8) == [7, 7, 5, 1, 2, 3, 7, 7]  # ...and on as the cycle it is
 
 
 def test_the_longest_suffix_that_occurred_before_wins():
@@ -27,7 +28,7 @@ def test_no_draft_without_an_earlier_occurrence_and_never_the_suffix_itself():
     assert lookup([1, 2, 3, 4]).draft(4) == []
     assert lookup([5]).draft(4) == []
     assert lookup([1, 1]).draft(3) == []  # "1 1" ends the sequence, nothing before it
-    assert lookup([1, 1, 1]).draft(3) == [1]  # overlapping: the pair that ended a token ago
+    assert lookup([1, 1, 1]).draft(3) == [1, 1, 1]  # a run of one token goes on as one
 
 
 def test_extending_in_pieces_indexes_as_all_at_once():
