@@ -81,8 +81,10 @@ class Attaching:
     ) -> bool:
         """As `_attach_segment`; the new end holds the checkpoint (an end already on the
         tree gets it, if it has none), and window KV the path lacks is filled in."""
-        ends_here = m * TOKEN == len(key)
-        fills = self._window_fills(_path_to(parent), prep)
+        n = len(key) // TOKEN
+        ends_here = m == n
+        path = _path_to(parent)
+        fills = self._window_fills(path, prep)
         need = sum(nb - node.window_nbytes for node, _, _, nb in fills)
         put_checkpoint = prep.checkpoint is not None and (
             not ends_here or parent.checkpoint is None
@@ -94,15 +96,14 @@ class Attaching:
             if m > prep.start:  # another insert stored part of it meanwhile
                 seg = layers.cut_segment(seg, m - prep.start)
             seg_nbytes = self.measure(seg)
-            window, held = self._window_from(prep, m, len(key) // TOKEN)
+            window, held = self._window_from(prep, m, n)
             window_nbytes = self.measure(window) if window is not None else 0
             need += seg_nbytes + window_nbytes
         extends = parent.terminal and not ends_here
         # While room is made, the path keeps the window KV the new end resumes from and what
         # is filled (pinned); the sequence this extends is still one (pinned, it is not
         # evicted), its checkpoint not one that goes first, and kept if the insert is refused.
-        n = len(key) // TOKEN
-        kept = [node for node in _path_to(parent) if node.depth > n - tree.layout.span]
+        kept = [node for node in path if node.depth > n - tree.layout.span]
         self._pin(kept)
         try:
             room = self._make_room(need, 0 if extends or ends_here else 1)

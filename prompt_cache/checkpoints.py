@@ -28,11 +28,12 @@ such a model resumes nowhere else.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .radix import Node, Walk
 
-Segment = Any
+if TYPE_CHECKING:
+    from .layers import Segment
 
 
 def window_covers(nodes: list[Node], n: int, span: int) -> Node | None:

@@ -202,9 +202,9 @@ def window_segment(layout: Layout, cache: list[Any], start: int, end: int) -> Se
     seg = []
     for i in layout.windows:
         c = cache[i]
-        held = c._temporal_order(c.keys).shape[2]
-        lo, hi = held - (c.offset - start), held - (c.offset - end)
-        seg.append(tuple(_own(c._temporal_order(a)[..., lo:hi, :]) for a in (c.keys, c.values)))
+        keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
+        lo, hi = keys.shape[2] - (c.offset - start), keys.shape[2] - (c.offset - end)
+        seg.append((_own(keys[..., lo:hi, :]), _own(values[..., lo:hi, :])))
     out = tuple(seg)
     mx.async_eval(out)
     return out

@@ -29,7 +29,6 @@ class Plan:
     entry: list[Any] | None = None
     trim: int = 0
     saved: list[Any] | None = None  # checkpointed mode: the recurrent layers' state at `n`
-    resumed: Node | None = None  # the node whose checkpoint it restores
     windows: list[tuple[layers.Segment, int, int]] | None = None  # window KV before `n`
 
 
@@ -61,7 +60,7 @@ def plan_checkpointed(layout: Layout, w: Walk, asked: int) -> Plan | None:
     if n <= 0:
         return None
     plan = plan_segments(w, n + 1)  # the KV layers' pieces up to `n`, kind and use as there
-    plan.n, plan.resumed = n, resumed
+    plan.n = n
     plan.saved = resumed.checkpoint if resumed is not None else None
     plan.windows = checkpoints.window_pieces(w.nodes, n, layout.span)
     end = w.nodes[-1]

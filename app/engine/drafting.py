@@ -76,8 +76,6 @@ class Pace:
     k: int = 4
     failed: int = 0  # drafts in a row of which nothing was accepted
     paused: int = 0  # steps left without drafting
-    drafted: int = 0
-    accepted: int = 0
 
     def next_length(self) -> int:
         if self.paused:
@@ -87,8 +85,6 @@ class Pace:
 
     def saw(self, drafted: int, accepted: int) -> None:
         """A draft of `drafted` tokens of which the first `accepted` were right."""
-        self.drafted += drafted
-        self.accepted += accepted
         if accepted == drafted:
             self.k, self.failed = min(MAX_DRAFT, self.k + 2), 0
         elif accepted == 0:

@@ -74,7 +74,6 @@ class MixedGenerator(BatchGenerator):
         # The lone stream's: its lookup index, its pace, its draft model's KV.
         self._drafting: dict[int, tuple[PromptLookup, Pace, DraftState | None]] = {}
         self._from_model: DraftState | None = None  # the step's draft came from it
-        self.drafted = self.accepted = 0  # draft tokens verified, and accepted, so far
         self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
 
     def _next(self) -> tuple[list[Any], list[Any]]:
@@ -101,7 +100,8 @@ class MixedGenerator(BatchGenerator):
 
     def _draft(self) -> list[int]:
         """A draft for the next step: the lone greedy stream's prompt-lookup guess, as long
-        as its `Pace` says and its `max_tokens` leaves room for; [] for a plain step."""
+        as its `Pace` says and its `max_tokens` leaves room for, or where lookup finds none
+        the draft model's; [] for a plain step."""
         streams = self._generation_batch
         if not can_verify(streams):
             return []
@@ -127,8 +127,6 @@ class MixedGenerator(BatchGenerator):
             self._from_model.accept(accepted)
         elif uid in self._drafting:
             self._drafting[uid][1].saw(len(draft), accepted)
-        self.drafted += len(draft)
-        self.accepted += accepted
         if self.on_verified is not None:
             self.on_verified(uid, len(draft), accepted)
         return responses

@@ -193,6 +193,8 @@ def generate(model, prompt: list[int], limit: int, eos: int, oracle=None):
             return oracle(len(streams.tokens[0]) + 1 - len(prompt))
 
         gen._draft = draft
+    accepted = []
+    gen.on_verified = lambda uid, drafted, ok: accepted.append(ok)
     gen.insert([prompt], max_tokens=[limit])
     out, end = [], None
     while True:
@@ -205,7 +207,7 @@ def generate(model, prompt: list[int], limit: int, eos: int, oracle=None):
                 kv = [mx.array(c.keys[..., : c.offset, :]) for c in r.prompt_cache]
                 end = (r.finish_reason, kv, list(r.all_tokens))
     gen.close()
-    return out, end, gen.accepted
+    return out, end, sum(accepted)
 
 
 @pytest.mark.parametrize("wrong_at", [None, 0, 3])
