@@ -186,7 +186,7 @@ def checkpoint(layout: Layout, cache: list[Any]) -> list[Any] | None:
     if not layout.states:
         return None
     out = [_fresh_views(cache[i]) for i in layout.states]
-    mx.async_eval(arrays_in(out))
+    _settle(arrays_in(out))
     return out
 
 
@@ -206,7 +206,7 @@ def window_segment(layout: Layout, cache: list[Any], start: int, end: int) -> Se
         lo, hi = keys.shape[2] - (c.offset - start), keys.shape[2] - (c.offset - end)
         seg.append((_own(keys[..., lo:hi, :]), _own(values[..., lo:hi, :])))
     out = tuple(seg)
-    mx.async_eval(out)
+    _settle(out)
     return out
 
 
@@ -256,6 +256,15 @@ def _arrays(layer: Any) -> tuple[mx.array, ...]:
     return (*layer.keys, *layer.values)
 
 
+def _settle(arrays: Any) -> None:
+    # Evaluated before they are stored, not just scheduled: another thread (a fetch, the disk
+    # writer) may read a stored array at once, and several threads waiting on an evaluation
+    # still in flight on another thread's stream crash MLX (a segfault, seen under load in
+    # tests/e2e/test_concurrency.py). A stream runs in order, so the next step waits for
+    # these copies either way.
+    mx.eval(arrays)
+
+
 def _own(a: mx.array) -> mx.array:
     # A slice shares its source's buffer; contiguous() copies it into one of
     # its own, so a stored range does not keep the whole source alive.
@@ -265,14 +274,14 @@ def _own(a: mx.array) -> mx.array:
 def slice_segment(cache: list[Any], start: int, end: int) -> Segment:
     """A copy of the KV of tokens [start, end) of a sliceable cache."""
     seg = tuple(tuple(_own(a[..., start:end, :]) for a in _arrays(c)) for c in cache)
-    mx.async_eval(seg)
+    _settle(seg)
     return seg
 
 
 def cut_segment(seg: Segment, start: int, end: int | None = None) -> Segment:
     """A copy of tokens [start, end) of a segment."""
     out = tuple(tuple(_own(a[..., start:end, :]) for a in layer) for layer in seg)
-    mx.async_eval(out)
+    _settle(out)
     return out
 
 
@@ -338,7 +347,7 @@ def snapshot(cache: list[Any]) -> list[Any]:
             out.append(layer)
         else:
             out.append(_fresh_views(c))
-    mx.async_eval(arrays_in(out))
+    _settle(arrays_in(out))
     return out
 
 
