@@ -16,6 +16,10 @@ ours over ours without speculation and over the peer; the draft tokens ours veri
 accepted (from /metrics); and whether the replies are identical across servers.
 
     python bench/speculation.py [--tokens 400] [--rounds 2]
+
+`--pass-cost` measures instead what the batch rule in `app/engine/speculative.py` rests on:
+one forward pass of the default model over B rows of P positions each at 1,500 tokens of
+context, in-process, against P=1 (median of 10 passes; printed, no result file).
 """
 
 from __future__ import annotations
@@ -82,12 +86,43 @@ def drafts(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in found.items()}
 
 
+def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8)) -> None:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _ = load(str(default_model_dir()))
+    for b in rows:
+        cache = [BatchKVCache([0] * b) for _ in model.layers]
+        prompt = mx.array([[(i * 7 + r) % 30000 for i in range(context)] for r in range(b)])
+        for at in range(0, context, 512):
+            model(prompt[:, at : at + 512], cache=cache)
+            mx.eval([c.keys for c in cache])
+        base, cells = None, []
+        for p in positions:
+            times = []
+            for _ in range(12):
+                t = time.perf_counter()
+                mx.eval(model(mx.ones((b, p), dtype=mx.uint32), cache=cache))
+                times.append(time.perf_counter() - t)
+                for c in cache:
+                    c.trim(p)
+            median = statistics.median(times[2:])
+            base = base or median
+            cells.append(f"P={p}: {median * 1000:.0f} ms ({median / base:.2f}x)")
+        print(f"B={b}  " + "  ".join(cells), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "speculation.json")
+    ap.add_argument("--pass-cost", action="store_true", help="measure a pass's cost by rows")
     args = ap.parse_args()
+    if args.pass_cost:
+        pass_cost()
+        return
     model = str(default_model_dir())
     edits = [edit_prompt(f) for f in FILES]
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache
 from ..runtime.forward_together import forward_together, logits, supports
 from .draft_model import DraftModel, DraftState
 from .drafting import Pace, PromptLookup
-from .speculative import can_verify, verify
+from .speculative import can_verify, longest_draft, verify
 
 
 def _mask_in_order(make_mask: Any) -> Any:
@@ -58,8 +58,8 @@ if not getattr(BatchRotatingKVCache.make_mask, "patched", False):
 
 class MixedGenerator(BatchGenerator):
     """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass,
-    and (`speculation`) a lone greedy stream's step that verifies a draft: prompt lookup's,
-    or where that finds none, the draft model's (`draft`)."""
+    and (`speculation`) greedy streams' step that verifies their drafts: prompt lookup's,
+    or for a lone stream where that finds none, the draft model's (`draft`)."""
 
     def __init__(
         self,
@@ -71,7 +71,7 @@ class MixedGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self.together = supports(model)  # off: every step is mlx-lm's own
         self.speculation, self.draft_model = speculation, draft
-        # The lone stream's: its lookup index, its pace, its draft model's KV.
+        # Each stream's lookup index, its pace, and its draft model's KV once it drafted alone.
         self._drafting: dict[int, tuple[PromptLookup, Pace, DraftState | None]] = {}
         self._from_model: DraftState | None = None  # the step's draft came from it
         self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
@@ -79,11 +79,11 @@ class MixedGenerator(BatchGenerator):
     def _next(self) -> tuple[list[Any], list[Any]]:
         chunk = self._chunk_beside() if self.together else None
         if chunk is None:
-            draft = self._draft() if self.speculation else []
-            if not draft:
+            drafts = self._drafts() if self.speculation else []
+            if not drafts:
                 return super()._next()
             streams = self._generation_batch
-            streams.next = lambda: self._verified(streams, draft)
+            streams.next = lambda: self._verified(streams, drafts)
             try:
                 return super()._next()
             finally:
@@ -98,37 +98,56 @@ class MixedGenerator(BatchGenerator):
             streams.model = own
             del prompt.prompt  # the instance's stand-in: the class's method again
 
-    def _draft(self) -> list[int]:
-        """A draft for the next step: the lone greedy stream's prompt-lookup guess, as long
-        as its `Pace` says and its `max_tokens` leaves room for, or where lookup finds none
-        the draft model's; [] for a plain step."""
+    def _drafts(self) -> list[list[int]]:
+        """A draft for each stream for the next step: its prompt-lookup guess, as long as its
+        `Pace` says and its `max_tokens` leaves room for, or for a lone stream where lookup
+        finds none the draft model's; [] for a plain step, as when any stream has none (the
+        batch would keep one position a row: see `speculative`)."""
         streams = self._generation_batch
         if not can_verify(streams):
             return []
-        uid = streams.uids[0]
-        if uid not in self._drafting:  # the last one's is done with
-            state = self.draft_model.start() if self.draft_model is not None else None
-            self._drafting = {uid: (PromptLookup(), Pace(), state)}
-        lookup, pace, state = self._drafting[uid]
-        lookup.extend([*streams.tokens[0][len(lookup.tokens) :], int(streams._next_tokens[0])])
-        room = streams.max_tokens[0] - streams._num_tokens[0] - 1
-        k = min(pace.next_length(), room)
-        draft = lookup.draft(k) if k > 0 else []
+        uids = streams.uids
+        self._drafting = {u: d for u, d in self._drafting.items() if u in uids}
         self._from_model = None
-        if not draft and state is not None and room > 0:
-            draft = state.draft(lookup.tokens, min(self.draft_model.tokens, room))
-            self._from_model = state
-        return draft
+        lone, longest = len(uids) == 1, longest_draft(len(uids))
+        modelled = lone and self.draft_model is not None
+        for uid in uids:
+            if uid not in self._drafting:
+                self._drafting[uid] = (PromptLookup(), Pace(), None)
+        # Every stream's pace counts its step, drafted or not; a plain step is known before
+        # the wait for the last step's tokens, which a plain step does not need.
+        rooms = [m - n - 1 for m, n in zip(streams.max_tokens, streams._num_tokens, strict=True)]
+        lengths = [min(self._drafting[u][1].next_length(), room, longest)
+                   for u, room in zip(uids, rooms, strict=True)]  # fmt: skip
+        if not modelled and min(lengths) <= 0:
+            return []
+        drafts = []
+        for i, (uid, last) in enumerate(zip(uids, streams._next_tokens.tolist(), strict=True)):
+            lookup, pace, state = self._drafting[uid]
+            lookup.extend([*streams.tokens[i][len(lookup.tokens) :], last])
+            draft = lookup.draft(lengths[i]) if lengths[i] > 0 else []
+            if not draft and modelled and rooms[i] > 0:
+                if state is None:
+                    state = self.draft_model.start()
+                    self._drafting[uid] = (lookup, pace, state)
+                draft = state.draft(lookup.tokens, min(self.draft_model.tokens, rooms[i], longest))
+                self._from_model = state
+            if not draft:
+                return []
+            drafts.append(draft)
+        return drafts
 
-    def _verified(self, streams: Any, draft: list[int]) -> list[Any]:
-        responses, accepted = verify(streams, draft)
-        uid = responses[0].uid
+    def _verified(self, streams: Any, drafts: list[list[int]]) -> list[Any]:
+        uids = list(streams.uids)  # before the step: it drops the streams that end
+        responses, agreed, used = verify(streams, drafts)
+        k = min(len(d) for d in drafts)
         if self._from_model is not None:
-            self._from_model.accept(accepted)
-        elif uid in self._drafting:
-            self._drafting[uid][1].saw(len(draft), accepted)
-        if self.on_verified is not None:
-            self.on_verified(uid, len(draft), accepted)
+            self._from_model.accept(min(agreed))
+        for uid, ok, emitted in zip(uids, agreed, used, strict=True):
+            if self._from_model is None and uid in self._drafting:
+                self._drafting[uid][1].saw(k, ok)
+            if self.on_verified is not None:
+                self.on_verified(uid, k, emitted)
         return responses
 
     def _chunk_beside(self) -> list[int] | None:

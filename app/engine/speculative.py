@@ -1,22 +1,25 @@
-"""A decode step that verifies a draft: a lone greedy stream's next tokens in one pass.
+"""A decode step that verifies drafts: each greedy stream's next tokens in one pass.
 
 mlx-lm's `GenerationBatch` decodes one token a sequence a step, the token it sampled at
-the step before (`_next_tokens`) going in as the step's input. Here, for a batch of one
-sequence, that token goes in followed by a draft of k more (`drafting`), in one forward
-pass over k+1 positions. The model's greedy choice after each position says how much of
-the draft it would have produced itself: those tokens are emitted as if decoded one by
-one, the rest's KV is trimmed off, and the model's choice after the last accepted token
-becomes the next step's input, as a plain step would have left it.
+the step before (`_next_tokens`) going in as the step's input. Here each row's token goes
+in followed by a draft of k more (`drafting`), all rows in one forward pass over k+1
+positions. The model's greedy choice after each position says how much of a row's draft
+it would have produced itself. The rows share one KV index (`BatchKVCache` keeps one
+`_idx` for the batch), so they keep the same number of positions: the step emits, for
+every row, its token and as many drafted tokens as the row that accepted fewest did; the
+KV of the rest is trimmed off, and each row's model choice after its last emitted token
+becomes the next step's input, as a plain step would have left it. Every row's draft is
+cut to the shortest one: positions past it could never be emitted.
 
 Invariants: the tokens emitted are the ones plain greedy steps would emit (each chosen
 by the same argmax over the same context); the batch's caches hold the KV of exactly the
 tokens in `tokens` (what a finished sequence's cache goes to the prompt cache with);
-`max_tokens` and the stop tokens end the sequence at the token they would have, and
+`max_tokens` and the stop tokens end a sequence at the token they would have, and
 nothing past it is emitted.
 
 Only where trimming the caches undoes the rejected tokens (`BatchKVCache` layers),
-for a greedy sampler and no logits processors (a grammar, biases, penalties: they would
-have to see each drafted token before it is verified).
+for greedy samplers and no logits processors (a grammar, biases, penalties: they would
+have to see each drafted token before it is verified), and for at most `MAX_ROWS` rows.
 """
 
 from __future__ import annotations
@@ -30,14 +33,25 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..runtime import cpu_logprobs
 
+# A pass's rows and positions (rows times k+1) at most: past them the extra positions
+# cost more than the tokens the fewest-accepting row lets the batch keep (`--pass-cost` in
+# bench/speculation.py; bench/README.md, "Speculative decoding").
+MAX_ROWS, MAX_POSITIONS = 4, 16
+
+
+def longest_draft(rows: int) -> int:
+    """The longest draft a batch of `rows` sequences verifies."""
+    return MAX_POSITIONS // rows - 1
+
 
 def can_verify(batch: GenerationBatch) -> bool:
-    """Whether `batch` is one greedy sequence whose caches a trim rolls back."""
+    """Whether every sequence of `batch` is greedy and its caches a trim rolls back."""
+    n = len(batch.uids)
     return (
-        len(batch.uids) == 1
+        0 < n <= MAX_ROWS
         and batch._next_tokens is not None
-        and (batch.samplers or [None])[0] in (None, greedy_sampler)
-        and not (batch.logits_processors or [None])[0]
+        and all(s in (None, greedy_sampler) for s in batch.samplers or [None])
+        and not any(batch.logits_processors or [])
         and all(_trimmable(c) for c in batch.prompt_cache)
     )
 
@@ -47,43 +61,71 @@ def _trimmable(cache: Any) -> bool:
     return isinstance(cache, BatchKVCache) and type(cache).trim is BatchKVCache.trim
 
 
-def verify(batch: GenerationBatch, draft: list[int]) -> tuple[list[Any], int]:
-    """One step of `batch` (see `can_verify`) taking `draft` in after its next token: the
-    responses of every token emitted, in order, and how many of the draft were accepted."""
+def verify(
+    batch: GenerationBatch, drafts: list[list[int]]
+) -> tuple[list[Any], list[int], list[int]]:
+    """One step of `batch` (see `can_verify`) taking each row's draft (none empty) in after
+    its next token: the responses of every token emitted, row by row; for each row how many
+    of its draft's first tokens the model agreed with; and how many drafted tokens each row
+    emitted (the fewest any row agreed with, or fewer where the row ended)."""
+    k = min(len(d) for d in drafts)
     first = batch._next_tokens
-    inputs = mx.concatenate([first, mx.array(draft, dtype=first.dtype)])[None]
-    logits = batch.model(inputs, cache=batch.prompt_cache)[0]
-    # k+1 rows: numpy's vectorized exp where the CPU fast path is on (`cpu_logprobs`).
+    rows = mx.array([d[:k] for d in drafts], dtype=first.dtype)
+    logits = batch.model(mx.concatenate([first[:, None], rows], axis=1), cache=batch.prompt_cache)
+    # B*(k+1) rows: numpy's vectorized exp where the CPU fast path is on (`cpu_logprobs`).
     logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
     chosen = mx.argmax(logprobs, axis=-1)
     mx.eval(chosen, logprobs, batch._next_logprobs)
-    model_says = chosen.tolist()
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == model_says[accepted]:
-        accepted += 1
-    tokens = [int(first[0].item()), *draft[:accepted]]
-    token_logprobs = [batch._next_logprobs[0], *(logprobs[i] for i in range(accepted))]
+    model_says, firsts = chosen.tolist(), first.tolist()
+    agreed = [_agreeing(d[:k], says) for d, says in zip(drafts, model_says, strict=True)]
+    accepted = min(agreed)
+    kept = accepted + 1  # positions every row keeps: its token and the accepted drafts
+    for c in batch.prompt_cache:
+        c.trim(k + 1 - kept)
+    out, keep, used = [], [], []
+    for i, (uid, draft) in enumerate(zip(batch.uids, drafts, strict=True)):
+        tokens = [firsts[i], *draft[:accepted]]
+        token_logprobs = [batch._next_logprobs[i], *(logprobs[i, j] for j in range(accepted))]
+        emitted, reason = _emitted(batch, i, tokens, token_logprobs)
+        batch.tokens[i].extend(t for t, _ in emitted)
+        used.append(len(emitted) - 1)
+        out += [GenerationBatch.Response(uid, t, lp, None, None, None) for t, lp in emitted]
+        if reason is None:
+            keep.append(i)
+            continue
+        last = out[-1]
+        last.finish_reason, last.all_tokens = reason, batch.tokens[i]
+        last.prompt_cache = batch.extract_cache(i)
+        for c in last.prompt_cache:  # the KV of what this row did not emit goes too
+            c.trim(kept - len(emitted))
+    if len(keep) < len(batch.uids):
+        batch.filter(keep)
+    if keep:
+        batch._next_tokens = chosen[mx.array(keep), accepted]
+        batch._next_logprobs = [logprobs[i, accepted] for i in keep]
+    return out, agreed, used
+
+
+def _agreeing(draft: list[int], model_says: list[int]) -> int:
+    """How many of the draft's first tokens are the model's own choices."""
+    n = 0
+    while n < len(draft) and draft[n] == model_says[n]:
+        n += 1
+    return n
+
+
+def _emitted(
+    batch: GenerationBatch, i: int, tokens: list[int], logprobs: list[Any]
+) -> tuple[list[tuple[int, Any]], str | None]:
+    """Row i's tokens up to the one that ends it (its limit or a stop), and why it ended."""
     emitted, reason = [], None
-    for token, lp in zip(tokens, token_logprobs, strict=True):
-        batch._num_tokens[0] += 1
-        if batch._num_tokens[0] >= batch.max_tokens[0]:
+    for token, lp in zip(tokens, logprobs, strict=True):
+        batch._num_tokens[i] += 1
+        if batch._num_tokens[i] >= batch.max_tokens[i]:
             reason = "length"
-        if batch._matchers[0].advance(token):
+        if batch._matchers[i].advance(token):
             reason = "stop"
         emitted.append((token, lp))
         if reason is not None:
             break
-    for c in batch.prompt_cache:  # the KV of what was not emitted goes
-        c.trim(len(draft) + 1 - len(emitted))
-    batch.tokens[0].extend(t for t, _ in emitted)
-    uid = batch.uids[0]
-    out = [GenerationBatch.Response(uid, t, lp, None, None, None) for t, lp in emitted]
-    if reason is not None:
-        last = out[-1]
-        last.finish_reason, last.all_tokens = reason, batch.tokens[0]
-        last.prompt_cache = batch.extract_cache(0)
-        batch.filter([])
-        return out, accepted
-    batch._next_tokens = chosen[len(emitted) - 1 : len(emitted)]
-    batch._next_logprobs = [logprobs[len(emitted) - 1]]
-    return out, accepted
+    return emitted, reason

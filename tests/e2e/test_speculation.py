@@ -145,9 +145,9 @@ def test_sampling_a_grammar_or_a_bias_turns_drafting_off_and_changes_nothing(eng
     assert on.stats.drafted == drafted
 
 
-def test_two_streams_together_decode_as_without(engines):
-    """Drafting is for a stream alone: when a second joins, both decode one token a step;
-    when it leaves, the first drafts again. Every reply as without speculation."""
+def test_two_streams_verify_drafts_together_and_decode_as_without(engines):
+    """A second stream joins the first: they verify their drafts in one pass (the short
+    one runs beside the long one throughout), and every reply is as without speculation."""
     out = []
     for engine in engines[:2]:
         tokens = prompt_of(engine)
@@ -157,6 +157,8 @@ def test_two_streams_together_decode_as_without(engines):
         engine.submit(tokens[5:], SamplingParams(max_tokens=20, temperature=0.0), short)
         assert long.done.wait(300) and short.done.wait(300)
         out.append((long.text, short.text, long.finished.reason, short.finished.reason))
+        if engine is engines[0] and engines[2] == "default":
+            assert short.finished.drafted > 0 and short.finished.accepted > 0
     assert out[0] == out[1]
 
 
@@ -174,40 +176,80 @@ def test_a_request_cancelled_between_drafts_ends_and_the_engine_goes_on(engines)
     assert got.text == want.text and got.started.cached_tokens > 0
 
 
-def generate(model, prompt: list[int], limit: int, eos: int, oracle=None):
-    """Tokens, finish reason, final KV and tokens of a lone greedy stream; with `oracle`, a
-    function of the tokens generated so far that gives the step's draft."""
+def generate_many(model, prompts: list[list[int]], limits: list[int], eos: int, oracles=None,
+                  verified: list[int] | None = None, logprobs_out: list | None = None):  # fmt: skip
+    """Each stream's tokens, finish reason, final KV and tokens, the streams decoding in one
+    batch, and the drafted tokens accepted; with `oracles`, one a stream, each a function of
+    the tokens it generated so far that gives the step's draft (a step drafts when every
+    stream's oracle gives one). `verified` gets the number of streams of each step that
+    verified drafts, `logprobs_out` each stream's logprobs, a row a token."""
     import mlx.core as mx
 
     from app.engine.generator import MixedGenerator
     from app.engine.speculative import can_verify
 
-    gen = MixedGenerator(model, speculation=oracle is not None, max_tokens=limit,
+    gen = MixedGenerator(model, speculation=oracles is not None, max_tokens=max(limits),
                          stop_tokens=[[eos]])  # fmt: skip
-    if oracle is not None:
+    uids = gen.insert(prompts, max_tokens=limits)
+    if oracles is not None:
 
-        def draft() -> list[int]:  # as `_draft`, but the oracle's, and past the room left
+        def drafts() -> list[list[int]]:  # as `_drafts`, but the oracles', past the room left
             streams = gen._generation_batch
             if not can_verify(streams):
                 return []
-            return oracle(len(streams.tokens[0]) + 1 - len(prompt))
+            out = []
+            for i, uid in enumerate(streams.uids):
+                j = uids.index(uid)
+                out.append(oracles[j](len(streams.tokens[i]) + 1 - len(prompts[j])))
+            if not all(out):
+                return []
+            if verified is not None:
+                verified.append(len(out))
+            return out
 
-        gen._draft = draft
+        gen._drafts = drafts
     accepted = []
     gen.on_verified = lambda uid, drafted, ok: accepted.append(ok)
-    gen.insert([prompt], max_tokens=[limit])
-    out, end = [], None
-    while True:
+    out, ends, logprobs = {u: [] for u in uids}, {}, {u: [] for u in uids}
+    while len(ends) < len(uids):
         _, responses = gen.next()
-        if not responses and not gen._generation_batch.uids and end is not None:
-            break
         for r in responses:
-            out.append(r.token)
+            out[r.uid].append(r.token)
+            logprobs[r.uid].append(r.logprobs)
             if r.finish_reason is not None:
                 kv = [mx.array(c.keys[..., : c.offset, :]) for c in r.prompt_cache]
-                end = (r.finish_reason, kv, list(r.all_tokens))
+                ends[r.uid] = (r.finish_reason, kv, list(r.all_tokens))
     gen.close()
-    return out, end, sum(accepted)
+    if logprobs_out is not None:
+        logprobs_out += [mx.stack(logprobs[u]) for u in uids]
+    return [(out[u], ends[u]) for u in uids], sum(accepted)
+
+
+def generate(model, prompt: list[int], limit: int, eos: int, oracle=None):
+    """`generate_many` for a lone stream: its tokens, its end, the drafted tokens accepted."""
+    [(out, end)], accepted = generate_many(model, [prompt], [limit], eos,
+                                           None if oracle is None else [oracle])  # fmt: skip
+    return out, end, accepted
+
+
+def same_kv(a: list[Any], b: list[Any]) -> bool:
+    import numpy as np
+
+    return all(x.shape == y.shape and np.allclose(np.array(x), np.array(y), atol=1e-4)
+               for x, y in zip(a, b, strict=True))  # fmt: skip
+
+
+def oracle_of(want: list[int], eos: int, wrong_at: int | None, length: int = 5):
+    """Drafts of the plain reply `want` (then end-of-text tokens past its end: more than the
+    room left), one token made wrong at `wrong_at`."""
+
+    def oracle(done: int) -> list[int]:
+        draft = want[done : done + length] + [eos] * 8
+        if wrong_at is not None and done <= wrong_at < done + len(draft):
+            draft[wrong_at - done] = (draft[wrong_at - done] + 1) % 50
+        return draft
+
+    return oracle
 
 
 @pytest.mark.parametrize("wrong_at", [None, 0, 3])
@@ -218,24 +260,60 @@ def test_right_drafts_are_accepted_and_wrong_ones_cut_where_they_go_wrong(
     """Drafts from an oracle that knows the reply (one token made wrong at `wrong_at`): the
     reply, the reason it ended (its end-of-text token, or the limit, inside a draft) and
     the KV it leaves are those of plain steps."""
-    import numpy as np
-
     model, tokenizer = tiny_model
     prompt = list(tokenizer.encode(SOURCE))
     eos = tokenizer.eos_token_id
     want, (reason, kv, tokens), _ = generate(model, prompt, limit, eos)
-
-    def oracle(done: int) -> list[int]:
-        draft = want[done : done + 5] + [eos] * 8  # past the end: more than the room left
-        if wrong_at is not None and done <= wrong_at < done + len(draft):
-            draft[wrong_at - done] = (draft[wrong_at - done] + 1) % 50
-        return draft
-
+    oracle = oracle_of(want, eos, wrong_at)
     got, (got_reason, got_kv, got_tokens), accepted = generate(model, prompt, limit, eos, oracle)
     assert got == want and got_reason == reason and got_tokens == tokens
     assert accepted > 0
-    for a, b in zip(got_kv, kv, strict=True):
+    assert same_kv(got_kv, kv)
+
+
+def test_streams_verify_their_drafts_in_one_pass_as_plain_steps_decode(tiny_model):
+    """Four streams of different lengths (left-padded rows), limits and drafts (one right
+    throughout, the others wrong at different steps, of different lengths) verified
+    together: each stream's reply, end and KV are those of the same batch's plain steps,
+    as streams end inside a draft and the batch shrinks around them."""
+    import numpy as np
+
+    model, tokenizer = tiny_model
+    eos = tokenizer.eos_token_id
+    prompts = [list(tokenizer.encode(SOURCE[i:])) for i in (0, 9, 40, 75)]
+    limits = [7, 30, 19, 26]  # the longest prompt ends first: the others' padding shifts
+    want_lp, got_lp = [], []
+    plain, _ = generate_many(model, prompts, limits, eos, logprobs_out=want_lp)
+    wrong, lengths = [None, 2, 5, 11], [5, 3, 6, 4]
+    oracles = [oracle_of(out, eos, at, n)
+               for (out, _), at, n in zip(plain, wrong, lengths, strict=True)]  # fmt: skip
+    verified = []
+    got, accepted = generate_many(model, prompts, limits, eos, oracles, verified, got_lp)
+    assert accepted > 0 and max(verified) == 4 and min(verified) < 4
+    for (out, (reason, kv, tokens)), (want, (want_reason, want_kv, want_tokens)) in zip(
+        got, plain, strict=True
+    ):
+        assert (out, reason, tokens) == (want, want_reason, want_tokens)
+        assert same_kv(kv, want_kv)
+    for a, b in zip(got_lp, want_lp, strict=True):
         assert a.shape == b.shape and np.allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def test_more_streams_than_verify_together_decode_plainly(tiny_model):
+    """Past `MAX_ROWS` streams every step is a plain one, until streams end."""
+    from app.engine.speculative import MAX_ROWS
+
+    model, tokenizer = tiny_model
+    eos = tokenizer.eos_token_id
+    prompts = [list(tokenizer.encode(SOURCE[i:])) for i in range(MAX_ROWS + 1)]
+    limits = [4 + 3 * i for i in range(len(prompts))]  # one ends, then the others verify
+    plain, _ = generate_many(model, prompts, limits, eos)
+    oracles = [oracle_of(out, eos, None) for out, _ in plain]
+    verified = []
+    got, accepted = generate_many(model, prompts, limits, eos, oracles, verified)
+    for (out, (reason, kv, _)), (want, (want_reason, want_kv, _)) in zip(got, plain, strict=True):
+        assert (out, reason) == (want, want_reason) and same_kv(kv, want_kv)
+    assert verified and max(verified) <= MAX_ROWS
 
 
 @pytest.mark.parametrize("draft_seed", [0, 1])
@@ -294,14 +372,15 @@ def test_a_stop_string_and_the_limit_in_one_draft_leave_the_kv_for_the_next_turn
     want = ask(off, prompt, max_tokens=limit)
     reply = list(off.tokenizer.encode(want.text, add_special_tokens=False))
 
-    def oracle(self) -> list[int]:
+    def oracle(self) -> list[list[int]]:
         streams = self._generation_batch
         if not can_verify(streams):
             return []
         done = len(streams.tokens[0]) + 1 - len(prompt)
-        return reply[done : done + streams.max_tokens[0] - streams._num_tokens[0] - 1]
+        draft = reply[done : done + streams.max_tokens[0] - streams._num_tokens[0] - 1]
+        return [draft] if draft else []
 
-    monkeypatch.setattr(generator.MixedGenerator, "_draft", oracle)
+    monkeypatch.setattr(generator.MixedGenerator, "_drafts", oracle)
     on = engine_for(str(tiny_model_dir), True)
     try:
         stop = next(want.text[i : i + 2] for i in range(4, 9)
