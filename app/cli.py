@@ -152,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help="allow browser requests from this origin (repeatable, or *)",
     )
+    serve.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        default=None,
+        help="serve no web page at / (the chat page) and /ui/cache (the cache page)",
+    )
     serve.add_argument("--max-body-bytes", help="largest request body, e.g. 8MiB")
     serve.add_argument("--max-messages", type=int, help="most messages in one chat request")
     serve.add_argument("--max-queue", type=int, help="waiting requests before a 429")
@@ -325,8 +332,11 @@ def serve(args: argparse.Namespace) -> int:
 
     # On SIGTERM uvicorn stops accepting, gives running requests the grace period, then
     # cancels them (which cancels their generations); the engines stop after.
+    def draining() -> None:
+        app.state.server.draining = True
+
     server = _graceful_server_class()(
-        uvicorn_config(app, settings), stop_engines, settings.shutdown_grace
+        uvicorn_config(app, settings), stop_engines, settings.shutdown_grace, draining
     )
     failed = threading.Event()
     engine = None  # sharded: rank 0's engine
@@ -400,12 +410,17 @@ def _graceful_server_class() -> type:
         """
 
         def __init__(
-            self, config: uvicorn.Config, stop_engines: Callable[[], None], grace: float
+            self,
+            config: uvicorn.Config,
+            stop_engines: Callable[[], None],
+            grace: float,
+            draining: Callable[[], None] = lambda: None,
         ) -> None:
             super().__init__(config)
-            self.stop_engines, self.grace = stop_engines, grace
+            self.stop_engines, self.grace, self.draining = stop_engines, grace, draining
 
         async def _wait_tasks_to_complete(self) -> None:
+            self.draining()  # streams that would run on forever end now
             try:
                 await asyncio.wait_for(super()._wait_tasks_to_complete(), self.grace)
             except asyncio.TimeoutError:

@@ -76,6 +76,7 @@ class Settings:
     api_keys: list[str] = field(default_factory=list)  # none: no authentication
     admin_key: str | None = None  # for /v1/cache and /metrics; none: the API keys' rule
     cors_origins: list[str] = field(default_factory=list)  # none: no CORS headers
+    ui: bool = True  # the chat page at / and the cache page at /ui/cache
     max_body_bytes: int = 8 * 1024**2
     max_messages: int = 1024
     max_queue: int = 256  # requests waiting beyond the decode batch; more get a 429

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -58,6 +59,7 @@ from .budget import NO_LIMIT, SHORTEN_COPY, Budget
 from .disk import DiskTier
 from .disk_loading import DiskLoading
 from .eviction import LRUOrder
+from .outline import Outlining
 from .planning import Kind
 from .radix import (
     TOKEN,
@@ -81,7 +83,7 @@ class Fetched:
     kind: Kind
 
 
-class PromptCache(DiskLoading, Attaching, Budget):
+class PromptCache(DiskLoading, Attaching, Budget, Outlining):
     """A thread-safe prompt cache shared by all requests, keyed by model and tokens."""
 
     def __init__(
@@ -163,6 +165,9 @@ class PromptCache(DiskLoading, Attaching, Budget):
             setattr(tree.stats, plan.kind, getattr(tree.stats, plan.kind) + 1)
             tree.stats.tokens_reused += plan.n
             self._pin(plan.pinned)
+            now = time.time()
+            for node in plan.pinned:
+                node.hits, node.seen = node.hits + 1, now
             if tree.layout.checkpointed:
                 now = self._tick()  # what it resumes from was used
                 for node in plan.pinned:
@@ -281,7 +286,7 @@ class PromptCache(DiskLoading, Attaching, Budget):
     def _touch(self, node: Node, tree: ModelTree) -> None:
         """A cached sequence just used: last in the LRU order, and its time on the clock that
         window KV and checkpoints are ordered by too."""
-        node.used = self._tick()
+        node.used, node.seen = self._tick(), time.time()
         self._lru.touch(node, tree)
 
     # -------------------------------------------------------------- eviction

@@ -101,6 +101,8 @@ class Node:
     used: int = 0  # when its checkpoint or window was last stored or resumed from (a clock)
     terminal: bool = False  # a cached sequence ends here
     pins: int = 0  # running fetches/inserts using this node; it is not removed while > 0
+    hits: int = 0  # fetches that reused this edge (shown by `outline`)
+    seen: float = 0.0  # wall-clock time its sequence was stored or its edge last reused
 
     @property
     def size(self) -> int:
@@ -179,12 +181,14 @@ def add_child(parent: Node, edge: bytes) -> Node:
 def split(node: Node, k: int) -> Node:
     """Cut `node`'s edge after `k` tokens; returns the new head, `node` keeps the tail.
 
-    Payloads are left to the caller: the head starts with none.
+    Payloads are left to the caller: the head starts with none. Its use so far is the
+    whole edge's: every fetch that reused the tail reused the head too.
     """
     if not 0 < k < node.size or node.parent is None:
         raise ValueError(f"cannot split an edge of {node.size} tokens at {k}")
     parent, cut = node.parent, k * TOKEN
-    head = Node(edge=node.edge[:cut], parent=parent, depth=node.start + k)
+    head = Node(edge=node.edge[:cut], parent=parent, depth=node.start + k, hits=node.hits,
+                seen=node.seen)  # fmt: skip
     parent.children[head.edge[:TOKEN]] = head
     node.edge = node.edge[cut:]
     node.parent = head

@@ -58,6 +58,8 @@ def create_app(
     ):  # fmt: skip
         app.include_router(module.router)
     app.include_router(routes.models.admin)
+    if settings.ui:
+        app.include_router(routes.ui.router)
     app.openapi = lambda: _openapi(app)
     _serve_docs(app)
     if settings.cors_origins:
@@ -108,15 +110,18 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 continue
             codes = ["400", "401", "413", "431"]
             admin = path.endswith(("/load", "/unload"))
-            if path in ("/v1/cache", "/metrics") or admin:
+            if path.startswith("/v1/cache") or path == "/metrics" or admin:
                 codes.append("403")
             if path in _GENERATION:
                 codes += ["404", "408", "429", "503"]
                 responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
             elif path == _EMBEDDINGS:
                 codes += ["404", "429", "503"]
-            elif "{" in path or path in ("/v1/cache", "/v1/messages/count_tokens"):
+            elif "{" in path or path.startswith("/v1/cache") or path == "/v1/messages/count_tokens":
                 codes.append("404")
+            if path == "/v1/cache/events":  # each event's data: /v1/cache/tree's body as JSON
+                event = {"type": "object", "properties": {"data": {"type": "string"}}}
+                responses["200"]["content"] = {"text/event-stream": {"schema": event}}
             if admin:
                 codes += ["409", "503"]
             for code in codes:

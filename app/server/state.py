@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Annotated, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, Request
 
@@ -22,6 +22,12 @@ class ServerState:
     metrics: Metrics
     started: int  # when the server started, as models' `created`
     models: ModelPool[ServedModel]
+    # Set when shutdown begins: streams that never end by themselves (the cache page's
+    # feed) end then, so that they do not hold the shutdown for its whole grace period.
+    draining: bool = False
+    # The cache page's latest view per (model, max_nodes), with when it was made: every
+    # open feed shares one a second instead of each walking the tree.
+    views: dict[Any, tuple[float, dict[str, Any]]] = field(default_factory=dict)
 
     @contextlib.asynccontextmanager
     async def model(

@@ -170,27 +170,25 @@ def _record(ctx, metrics, t0, first, started, finished, generated) -> None:
     metrics.prompt_tokens.inc(prompt)
     metrics.cached_tokens.inc(cached)
     metrics.completion_tokens.inc(completion)
-    request_log.info(
-        json.dumps(
-            {
-                "event": "request",
-                "id": ctx.id,
-                "route": ctx.route,
-                "model": ctx.model,
-                "prompt_tokens": prompt,
-                "cached_tokens": cached,
-                "completion_tokens": completion,
-                # From the engine's intake: waiting to be admitted, then to the first token.
-                "queued_ms": round((started.admitted_at - t0) * 1000, 1) if started else None,
-                "ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
-                "total_ms": round(total * 1000, 1),
-                "finish_reason": reason,
-                # Prompt-lookup draft tokens verified, and accepted (`engine.speculative`).
-                "drafted": finished.drafted if isinstance(finished, Finished) else 0,
-                "accepted": finished.accepted if isinstance(finished, Finished) else 0,
-            }
-        )
-    )
+    record = {
+        "event": "request",
+        "id": ctx.id,
+        "route": ctx.route,
+        "model": ctx.model,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": completion,
+        # From the engine's intake: waiting to be admitted, then to the first token.
+        "queued_ms": round((started.admitted_at - t0) * 1000, 1) if started else None,
+        "ttft_ms": round((first - t0) * 1000, 1) if first is not None else None,
+        "total_ms": round(total * 1000, 1),
+        "finish_reason": reason,
+        # Prompt-lookup draft tokens verified, and accepted (`engine.speculative`).
+        "drafted": finished.drafted if isinstance(finished, Finished) else 0,
+        "accepted": finished.accepted if isinstance(finished, Finished) else 0,
+    }
+    request_log.info(json.dumps(record))
+    metrics.recent.append({**record, "tenant": ctx.tenant, "ended": time.time()})
 
 
 async def collect(events: AsyncIterator[Event]) -> Result:

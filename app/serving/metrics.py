@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
     from ..models.pool import ModelPool
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+RECENT = 50  # requests the cache page lists
 
 
 class Metrics:
@@ -40,6 +42,9 @@ class Metrics:
         self.completion_tokens = Counter(
             "mlx_completion_tokens", "Tokens generated", registry=self.registry
         )
+        # The request log's records of the latest requests, with when each ended (the page's
+        # list of recent requests and its hit rate over the last minutes).
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
 
     def watch(self, pool: ModelPool) -> None:
         """Read the pool's models, their engines and caches at every scrape."""

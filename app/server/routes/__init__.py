@@ -10,9 +10,10 @@ from . import (
     metrics,
     models,
     responses,
+    ui,
 )  # fmt: skip
 
 __all__ = [
     "cache", "chat", "completions", "embeddings", "health", "messages", "metrics", "models",
-    "responses",
+    "responses", "ui",
 ]  # fmt: skip

@@ -1,15 +1,22 @@
-"""GET and DELETE /v1/cache: the prompt cache, per model (admin)."""
+"""GET and DELETE /v1/cache: the prompt cache, per model (admin); its largest branches
+and recent requests for the cache page, once or as a stream of server-sent events."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
+from ...serving.cache_view import MAX_NODES, activity, cache_view, split_key
+from ...serving.sse import KEEP_ALIVE, EventStream
 from ..auth import Admin
-from ..state import State, pool_errors
+from ..state import ServerState, State, pool_errors
 
 router = APIRouter(tags=["cache"], dependencies=[Admin])
 
@@ -81,10 +88,6 @@ class Cleared(BaseModel):
     not_flushed: list[str] = []
 
 
-def _split(key: Any) -> tuple[str, str | None]:
-    return (str(key[0]), str(key[1])) if isinstance(key, tuple) else (str(key), None)
-
-
 @router.get("/v1/cache", response_model=CacheReport, summary="Prompt cache statistics")
 async def cache_stats(state: State, model: str | None = None) -> CacheReport:
     with pool_errors(state.models):
@@ -99,7 +102,7 @@ async def cache_stats(state: State, model: str | None = None) -> CacheReport:
         return CacheReport(model=spec.id, enabled=False)
     models = []
     for key, s in cache.stats_by_model().items():
-        model, namespace = _split(key)
+        model, namespace = split_key(key)
         models.append(
             ModelCacheStats(
                 model=model,
@@ -160,3 +163,68 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
         cleared += engine.flush_cache()  # every tenant's namespace of the model
         engine.release_memory()  # what the flush freed goes back now, not at the next pause
     return Cleared(cleared=cleared, not_flushed=not_flushed)
+
+
+EVERY = 1.0  # seconds between two looks at the cache for the event stream: the page's pace
+QUIET = 15.0  # seconds without a change before a keep-alive comment
+
+
+def _view(state: ServerState, model: str | None, max_nodes: int) -> dict[str, Any]:
+    with pool_errors(state.models):
+        spec = state.models.spec(model) if model is not None else state.models.default
+        served = state.models.get(spec.id)
+    engine = served.engine if served is not None else None
+    if engine is None:  # not loaded, or an embedding model: nothing cached to show
+        view: dict[str, Any] = {"model": spec.id, "enabled": False, "loaded": served is not None}
+    else:
+        view = {**cache_view(engine, spec.id, max_nodes), "loaded": True}
+    # The models it could show: the page's picker (the admin key may not list /v1/models).
+    models = [s.id for s in state.models.specs if state.models.loader.kind(s) != "embedding"]
+    return {**view, "models": models, **activity(state.metrics)}
+
+
+def _shared_view(state: ServerState, model: str | None, max_nodes: int) -> dict[str, Any]:
+    """`_view`, made at most once a second for all the feeds that show the same."""
+    key, now = (model, max_nodes), time.monotonic()
+    made = state.views.get(key)
+    if made is None or now - made[0] >= EVERY:
+        made = state.views[key] = (now, _view(state, model, max_nodes))
+    return made[1]
+
+
+@router.get("/v1/cache/tree", summary="The prompt cache's largest branches and recent requests")
+async def cache_tree(
+    state: State, model: str | None = None, max_nodes: int = Query(MAX_NODES, ge=1, le=1000)
+) -> dict[str, Any]:
+    """Per tenant namespace, the radix tree's top `max_nodes` branches (text, tokens, bytes,
+    hits, last use, tier); RAM and disk totals and budgets; the cached share of prompt
+    tokens over the last minutes; the latest requests with queued, prefill and decode time."""
+    return await asyncio.to_thread(_view, state, model, max_nodes)
+
+
+@router.get("/v1/cache/events", summary="The cache page's live feed (server-sent events)")
+async def cache_events(
+    request: Request, state: State, model: str | None = None,
+    max_nodes: int = Query(MAX_NODES, ge=1, le=1000),
+) -> EventStream:  # fmt: skip
+    """`/v1/cache/tree`'s body as an event each time it changes, looked at once a second;
+    the stream ends when the server shuts down."""
+    first = await asyncio.to_thread(_shared_view, state, model, max_nodes)  # a bad model: 404
+
+    async def events() -> AsyncIterator[str]:
+        view, last, quiet = first, None, 0.0
+        while not state.draining and not await request.is_disconnected():
+            # `now` changes every time: a change is a change of anything else.
+            same = {k: v for k, v in view.items() if k != "now"}
+            if same != last:
+                body = await asyncio.to_thread(json.dumps, view, separators=(",", ":"))
+                yield f"data: {body}\n\n"
+                last, quiet = same, 0.0
+            elif quiet >= QUIET:
+                yield KEEP_ALIVE
+                quiet = 0.0
+            await asyncio.sleep(EVERY)
+            quiet += EVERY
+            view = await asyncio.to_thread(_shared_view, state, model, max_nodes)
+
+    return EventStream(events())
