@@ -93,7 +93,13 @@ def test_the_feed_sends_the_tree_as_an_event_and_is_admin_only(tiny_model_dir):
 
 
 def test_the_feed_sends_what_changed_only_and_ends_when_the_server_drains(tiny_model_dir):
+    from app.server.routes.cache import MAX_VIEWS
+
     with serving(str(tiny_model_dir), served_model_name="tiny") as live:
+        for n in range(1, 3 * MAX_VIEWS):  # feeds of many sizes: only the last few views kept
+            with httpx.stream("GET", f"{live.url}/v1/cache/events?max_nodes={n}") as feed:
+                assert next(feed.iter_lines()).startswith("data: ")
+        assert len(live.app.state.server.views) <= MAX_VIEWS
         timeout = httpx.Timeout(30, read=3.5)  # over three looks at the cache, under a keep-alive
         with httpx.stream("GET", live.url + "/v1/cache/events", timeout=timeout) as feed:
             lines = feed.iter_lines()

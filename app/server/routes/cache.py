@@ -167,6 +167,7 @@ async def cache_flush(state: State, model: str | None = None) -> Cleared:
 
 EVERY = 1.0  # seconds between two looks at the cache for the event stream: the page's pace
 QUIET = 15.0  # seconds without a change before a keep-alive comment
+MAX_VIEWS = 8  # views kept for sharing, each a model and a size
 
 
 def _view(state: ServerState, model: str | None, max_nodes: int) -> dict[str, Any]:
@@ -188,6 +189,8 @@ def _shared_view(state: ServerState, model: str | None, max_nodes: int) -> dict[
     key, now = (model, max_nodes), time.monotonic()
     made = state.views.get(key)
     if made is None or now - made[0] >= EVERY:
+        if len(state.views) >= MAX_VIEWS:  # feeds asking for many kinds of views: the last few
+            state.views.clear()
         made = state.views[key] = (now, _view(state, model, max_nodes))
     return made[1]
 
