@@ -88,11 +88,17 @@ class Cleared(BaseModel):
     not_flushed: list[str] = []
 
 
-@router.get("/v1/cache", response_model=CacheReport, summary="Prompt cache statistics")
-async def cache_stats(state: State, model: str | None = None) -> CacheReport:
+def _named(state: ServerState, model: str | None) -> tuple[Any, Any]:
+    """The model `?model=` names (the default without it) and its loaded form, or None; an
+    unknown name is the API's 404."""
     with pool_errors(state.models):
         spec = state.models.spec(model) if model is not None else state.models.default
-        served = state.models.get(spec.id)
+        return spec, state.models.get(spec.id)
+
+
+@router.get("/v1/cache", response_model=CacheReport, summary="Prompt cache statistics")
+async def cache_stats(state: State, model: str | None = None) -> CacheReport:
+    spec, served = _named(state, model)
     if state.models.loader.kind(spec) == "embedding":  # no prompts to cache: no cache
         return CacheReport(model=spec.id, loaded=served is not None, enabled=False)
     if served is None:
@@ -171,9 +177,7 @@ MAX_VIEWS = 8  # views kept for sharing, each a model and a size
 
 
 def _view(state: ServerState, model: str | None, max_nodes: int) -> dict[str, Any]:
-    with pool_errors(state.models):
-        spec = state.models.spec(model) if model is not None else state.models.default
-        served = state.models.get(spec.id)
+    spec, served = _named(state, model)
     engine = served.engine if served is not None else None
     if engine is None:  # not loaded, or an embedding model: nothing cached to show
         view: dict[str, Any] = {"model": spec.id, "enabled": False, "loaded": served is not None}
