@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--draft-model",
         help="a small model of the same tokenizer (a folder or hub id) that drafts a lone "
-        "greedy stream's next tokens where prompt lookup finds none",
+        "stream's next tokens where prompt lookup finds none",
     )
     serve.add_argument(
         "--num-draft-tokens", type=int, help="tokens the draft model drafts a step (default 3)"

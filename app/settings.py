@@ -57,7 +57,7 @@ class Settings:
     # On MLX's CPU device, the ops MLX's scalar exp slows (attention's softmax, the MLP's
     # SwiGLU, the logits' normalization) through numpy: app/runtime/cpu_*.py.
     cpu_fast_path: bool = True
-    # A lone greedy stream verifies prompt-lookup drafts (app/engine/drafting.py).
+    # Streams verify prompt-lookup drafts (app/engine/drafting.py).
     speculation: bool = True
     # A small model of the same tokenizer drafting where prompt lookup finds nothing.
     draft_model: str | None = None

@@ -58,7 +58,7 @@ if not getattr(BatchRotatingKVCache.make_mask, "patched", False):
 
 class MixedGenerator(BatchGenerator):
     """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass,
-    and (`speculation`) greedy streams' step that verifies their drafts: prompt lookup's,
+    and (`speculation`) streams' step that verifies their drafts: prompt lookup's,
     or for a lone stream where that finds none, the draft model's (`draft`)."""
 
     def __init__(

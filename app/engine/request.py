@@ -105,6 +105,7 @@ def guarded(request: Request, fn: Callable, fallback: Callable) -> Callable:
                 request.fault = e
         return fallback(*args)
 
+    call.__wrapped__ = fn  # a `Categorical`'s key, for a step that rewinds it
     return call
 
 

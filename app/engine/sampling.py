@@ -23,29 +23,39 @@ def make_sampler(
     min_p: float = 0.0,
     seed: int | None = None,
 ) -> Sampler:
-    """Greedy at temperature 0; otherwise filtered categorical sampling.
-
-    With a seed the request draws from its own key, so its output does not
-    depend on what else is running in the batch.
-    """
+    """Greedy at temperature 0; otherwise filtered categorical sampling (`Categorical`)."""
     if temperature == 0:
         return greedy_sampler
-    key = [mx.random.key(seed)] if seed is not None else None
+    return Categorical(temperature, top_p, top_k, min_p, seed)
 
-    def sample(logprobs: mx.array) -> mx.array:
-        if 0 < top_p < 1:
-            logprobs = apply_top_p(logprobs, top_p)
-        if min_p > 0:
-            logprobs = apply_min_p(logprobs, min_p)
-        if top_k > 0:
-            logprobs = apply_top_k(logprobs, top_k)
-        logits = logprobs * (1 / temperature)
-        if key is None:
+
+class Categorical:
+    """Filtered categorical sampling at a temperature.
+
+    With a seed the request draws from its own key, so its output does not depend on
+    what else is running in the batch. The key is split once a draw and kept in `key`:
+    a step that draws for positions it then throws away (a verified draft, `speculative`)
+    puts back the key of the draws it kept, so a seeded reply is the one plain steps give.
+    """
+
+    def __init__(
+        self, temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None
+    ) -> None:
+        self.temperature, self.top_p, self.top_k, self.min_p = temperature, top_p, top_k, min_p
+        self.key = mx.random.key(seed) if seed is not None else None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        logits = logprobs * (1 / self.temperature)
+        if self.key is None:
             return mx.random.categorical(logits)
-        key[0], draw = mx.random.split(key[0])
+        self.key, draw = mx.random.split(self.key)
         return mx.random.categorical(logits, key=draw)
-
-    return sample
 
 
 def make_processors(

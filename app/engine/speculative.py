@@ -1,25 +1,34 @@
-"""A decode step that verifies drafts: each greedy stream's next tokens in one pass.
+"""A decode step that verifies drafts: each stream's next tokens in one pass.
 
 mlx-lm's `GenerationBatch` decodes one token a sequence a step, the token it sampled at
 the step before (`_next_tokens`) going in as the step's input. Here each row's token goes
 in followed by a draft of k more (`drafting`), all rows in one forward pass over k+1
-positions. The model's greedy choice after each position says how much of a row's draft
-it would have produced itself. The rows share one KV index (`BatchKVCache` keeps one
+positions. After each position the row's sampler draws the token a plain step would have
+drawn there (greedy: the argmax; sampled: a draw from the row's own filtered distribution,
+its key split once a draw as a plain step splits it); the draft's tokens that equal those
+draws are the row's accepted ones. The rows share one KV index (`BatchKVCache` keeps one
 `_idx` for the batch), so they keep the same number of positions: the step emits, for
 every row, its token and as many drafted tokens as the row that accepted fewest did; the
-KV of the rest is trimmed off, and each row's model choice after its last emitted token
-becomes the next step's input, as a plain step would have left it. Every row's draft is
-cut to the shortest one: positions past it could never be emitted.
+KV of the rest is trimmed off, a seeded sampler's key goes back to what the kept draws
+left it, and each row's draw after its last emitted token becomes the next step's input,
+as a plain step would have left it. Every row's draft is cut to the shortest one:
+positions past it could never be emitted.
 
-Invariants: the tokens emitted are the ones plain greedy steps would emit (each chosen
-by the same argmax over the same context); the batch's caches hold the KV of exactly the
-tokens in `tokens` (what a finished sequence's cache goes to the prompt cache with);
-`max_tokens` and the stop tokens end a sequence at the token they would have, and
-nothing past it is emitted.
+Why a drawn token equal to the draft is the rule for sampling too: a draft is one token,
+not a distribution, and accepting it with the probability the model gives it (the
+speculative-sampling rule for such a draft) is what a draw equal to it is; a draw that
+differs is the model's own token, as the rule's draw from what is left would be. So
+a reply has the distribution it has without drafts, and a seeded one is the same reply.
 
-Only where trimming the caches undoes the rejected tokens (`BatchKVCache` layers),
-for greedy samplers and no logits processors (a grammar, biases, penalties: they would
-have to see each drafted token before it is verified), and for at most `MAX_ROWS` rows.
+Invariants: every token emitted is the one plain steps would emit (chosen by the same
+sampler, the same key for a seeded one, over the same context); the batch's caches hold
+the KV of exactly the tokens in `tokens` (what a finished sequence's cache goes to the
+prompt cache with); `max_tokens` and the stop tokens end a sequence at the token they
+would have, and nothing past it is emitted.
+
+Only where trimming the caches undoes the rejected tokens (`BatchKVCache` layers), for
+sequences without logits processors (a grammar, biases, penalties: they would have to see
+each drafted token before it is verified), and for at most `MAX_ROWS` rows.
 """
 
 from __future__ import annotations
@@ -45,12 +54,12 @@ def longest_draft(rows: int) -> int:
 
 
 def can_verify(batch: GenerationBatch) -> bool:
-    """Whether every sequence of `batch` is greedy and its caches a trim rolls back."""
+    """Whether no sequence of `batch` has logits processors and its caches a trim rolls
+    back."""
     n = len(batch.uids)
     return (
         0 < n <= MAX_ROWS
         and batch._next_tokens is not None
-        and all(s in (None, greedy_sampler) for s in batch.samplers or [None])
         and not any(batch.logits_processors or [])
         and all(_trimmable(c) for c in batch.prompt_cache)
     )
@@ -74,7 +83,7 @@ def verify(
     logits = batch.model(mx.concatenate([first[:, None], rows], axis=1), cache=batch.prompt_cache)
     # B*(k+1) rows: numpy's vectorized exp where the CPU fast path is on (`cpu_logprobs`).
     logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
-    chosen = mx.argmax(logprobs, axis=-1)
+    chosen, keys = _drawn(batch, logprobs)
     mx.eval(chosen, logprobs, batch._next_logprobs)
     model_says, firsts = chosen.tolist(), first.tolist()
     agreed = [_agreeing(d[:k], says) for d, says in zip(drafts, model_says, strict=True)]
@@ -82,6 +91,8 @@ def verify(
     kept = accepted + 1  # positions every row keeps: its token and the accepted drafts
     for c in batch.prompt_cache:
         c.trim(k + 1 - kept)
+    for sampler, drawn in keys:
+        sampler.key = drawn[accepted]  # the key the kept draws left
     out, keep, used = [], [], []
     for i, (uid, draft) in enumerate(zip(batch.uids, drafts, strict=True)):
         tokens = [firsts[i], *draft[:accepted]]
@@ -104,6 +115,28 @@ def verify(
         batch._next_tokens = chosen[mx.array(keep), accepted]
         batch._next_logprobs = [logprobs[i, accepted] for i in keep]
     return out, agreed, used
+
+
+def _drawn(batch: GenerationBatch, logprobs: mx.array) -> tuple[mx.array, list[Any]]:
+    """Each row's draw after each position, as a plain step's sampler would draw it there,
+    and for each seeded sampler its key after each draw."""
+    samplers = [s or greedy_sampler for s in batch.samplers or [None] * len(batch.uids)]
+    if all(s is greedy_sampler for s in samplers):
+        return mx.argmax(logprobs, axis=-1), []
+    rows, keys = [], []
+    for i, sampler in enumerate(samplers):
+        if sampler is greedy_sampler:
+            rows.append(mx.argmax(logprobs[i], axis=-1))
+            continue
+        own = getattr(sampler, "__wrapped__", sampler)
+        draws, after = [], []
+        for j in range(logprobs.shape[1]):  # one draw a position, in order: a key a draw
+            draws.append(sampler(logprobs[i, j : j + 1]))
+            after.append(getattr(own, "key", None))
+        rows.append(mx.concatenate(draws))
+        if after[0] is not None:
+            keys.append((own, after))
+    return mx.stack(rows), keys
 
 
 def _agreeing(draft: list[int], model_says: list[int]) -> int:

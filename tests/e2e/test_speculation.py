@@ -1,6 +1,6 @@
-"""Prompt-lookup speculation: a lone greedy stream verifies drafts in one pass, and its
-output is what it is without speculation, token for token, with stops, limits, logprobs,
-a grammar, a batch of two, a cancel, and the KV the next turn finds in the cache."""
+"""Prompt-lookup speculation: streams verify drafts in one pass, and their output is what
+it is without speculation, token for token (greedy, or sampled from a seed), with stops,
+limits, logprobs, a grammar, batches, a cancel, and the KV the next turn finds in the cache."""
 
 from __future__ import annotations
 
@@ -134,15 +134,38 @@ def test_the_next_turn_finds_what_was_emitted_in_the_cache(engines):
     assert results[0] == results[1]
 
 
-def test_sampling_a_grammar_or_a_bias_turns_drafting_off_and_changes_nothing(engines):
+def test_a_grammar_or_a_bias_turns_drafting_off_and_changes_nothing(engines):
     on, off, _ = engines
     tokens = prompt_of(on)
     drafted = on.stats.drafted
-    for params in ({"temperature": 0.8, "seed": 7}, {"logit_bias": {5: 2.0}}):
+    for params in ({"logit_bias": {5: 2.0}}, {"presence_penalty": 0.5, "temperature": 0.7}):
         got, want = ask(on, tokens, max_tokens=24, **params), ask(off, tokens, max_tokens=24,
                                                                   **params)  # fmt: skip
         assert got.text == want.text
     assert on.stats.drafted == drafted
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.3, "seed": 7},
+        {"temperature": 0.8, "top_p": 0.9, "seed": 3},
+        {"temperature": 1.0, "top_k": 20, "min_p": 0.05, "seed": 11},
+    ],
+)
+def test_a_seeded_sampled_reply_is_drafted_and_is_the_one_it_is_without(engines, params):
+    """A draft is verified by the sampler's own draws (a drawn token equal to the drafted
+    one accepts it): the reply is the one plain steps draw from the same seed, again."""
+    on, off, model = engines
+    tokens = prompt_of(on)
+    drafted, accepted = on.stats.drafted, on.stats.accepted
+    got, again = ask(on, tokens, max_tokens=64, **params), ask(on, tokens, max_tokens=64, **params)
+    want = ask(off, tokens, max_tokens=64, **params)
+    assert got.text == again.text == want.text
+    assert got.finished.reason == want.finished.reason
+    assert on.stats.drafted > drafted
+    if model == "default" and params["temperature"] < 0.5:
+        assert on.stats.accepted > accepted  # it copies the source back, drafts and all
 
 
 def test_two_streams_verify_drafts_together_and_decode_as_without(engines):
@@ -177,12 +200,14 @@ def test_a_request_cancelled_between_drafts_ends_and_the_engine_goes_on(engines)
 
 
 def generate_many(model, prompts: list[list[int]], limits: list[int], eos: int, oracles=None,
-                  verified: list[int] | None = None, logprobs_out: list | None = None):  # fmt: skip
+                  verified: list[int] | None = None, logprobs_out: list | None = None,
+                  samplers: list | None = None):  # fmt: skip
     """Each stream's tokens, finish reason, final KV and tokens, the streams decoding in one
     batch, and the drafted tokens accepted; with `oracles`, one a stream, each a function of
     the tokens it generated so far that gives the step's draft (a step drafts when every
     stream's oracle gives one). `verified` gets the number of streams of each step that
-    verified drafts, `logprobs_out` each stream's logprobs, a row a token."""
+    verified drafts, `logprobs_out` each stream's logprobs, a row a token; `samplers`, one a
+    stream, sample (greedy without)."""
     import mlx.core as mx
 
     from app.engine.generator import MixedGenerator
@@ -190,7 +215,7 @@ def generate_many(model, prompts: list[list[int]], limits: list[int], eos: int, 
 
     gen = MixedGenerator(model, speculation=oracles is not None, max_tokens=max(limits),
                          stop_tokens=[[eos]])  # fmt: skip
-    uids = gen.insert(prompts, max_tokens=limits)
+    uids = gen.insert(prompts, max_tokens=limits, samplers=samplers)
     if oracles is not None:
 
         def drafts() -> list[list[int]]:  # as `_drafts`, but the oracles', past the room left
@@ -299,6 +324,37 @@ def test_streams_verify_their_drafts_in_one_pass_as_plain_steps_decode(tiny_mode
         assert a.shape == b.shape and np.allclose(np.array(a), np.array(b), atol=1e-4)
 
 
+def test_seeded_sampled_streams_verify_drafts_as_plain_steps_draw(tiny_model):
+    """Streams sampling from their own seeds (one greedy beside them) verify drafts of their
+    plain replies, wrong at different steps: each draw a drafted token is checked against
+    is the one a plain step draws, and the key goes back to what the kept draws left it,
+    so replies, ends and KV are those of plain steps."""
+    from app.engine.sampling import make_sampler
+
+    model, tokenizer = tiny_model
+    eos = tokenizer.eos_token_id
+    prompts = [list(tokenizer.encode(SOURCE[i:])) for i in (0, 9, 40)]
+    limits = [30, 19, 26]
+
+    def samplers():  # fresh keys for each run
+        return [make_sampler(0.9, seed=1), make_sampler(0.0),
+                make_sampler(1.2, top_p=0.8, top_k=30, seed=2)]  # fmt: skip
+
+    plain, _ = generate_many(model, prompts, limits, eos, samplers=samplers())
+    again, _ = generate_many(model, prompts, limits, eos, samplers=samplers())
+    assert [out for out, _ in plain] == [out for out, _ in again]
+    oracles = [oracle_of(out, eos, at, n)
+               for (out, _), at, n in zip(plain, [None, 2, 6], [4, 3, 5], strict=True)]  # fmt: skip
+    verified = []
+    got, accepted = generate_many(model, prompts, limits, eos, oracles, verified, None, samplers())
+    assert accepted > 0 and max(verified) == 3
+    for (out, (reason, kv, tokens)), (want, (want_reason, want_kv, want_tokens)) in zip(
+        got, plain, strict=True
+    ):
+        assert (out, reason, tokens) == (want, want_reason, want_tokens)
+        assert same_kv(kv, want_kv)
+
+
 def test_more_streams_than_verify_together_decode_plainly(tiny_model):
     """Past `MAX_ROWS` streams every step is a plain one, until streams end."""
     from app.engine.speculative import MAX_ROWS
@@ -398,3 +454,34 @@ def test_a_stop_string_and_the_limit_in_one_draft_leave_the_kv_for_the_next_turn
     finally:
         on.stop()
         off.stop()
+
+
+def test_a_seeded_chat_completion_is_the_same_with_drafts_through_the_sdk():
+    """Through the OpenAI SDK, a seeded sampled chat that copies a file: the server drafts
+    (its metrics count accepted tokens) and answers what the server without speculation does,
+    streamed or not."""
+    import httpx
+    from openai import OpenAI
+
+    from app.models.default_model import default_model_dir
+    from tests.live import serving
+
+    messages = [{"role": "user", "content": "Repeat this file exactly:\n" + SOURCE}]
+    params = {"model": "m", "messages": messages, "max_tokens": 80, "temperature": 0.4,
+              "top_p": 0.95, "seed": 1234}  # fmt: skip
+    replies = []
+    for speculation in (True, False):
+        with serving(str(default_model_dir()), served_model_name="m", speculation=speculation,
+                     no_cache=True) as live:  # fmt: skip
+            client = OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+            whole = client.chat.completions.create(**params).choices[0].message.content
+            streamed = "".join(chunk.choices[0].delta.content or ""
+                               for chunk in client.chat.completions.create(**params, stream=True)
+                               if chunk.choices)  # fmt: skip
+            metrics = httpx.get(live.url + "/metrics").text
+            accepted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                           if line.startswith("mlx_speculation_accepted_tokens_total"))  # fmt: skip
+            replies.append((whole, streamed, accepted))
+    (on, on_streamed, on_accepted), (off, off_streamed, off_accepted) = replies
+    assert on == on_streamed == off == off_streamed and len(on) > 40
+    assert on_accepted > 0 and off_accepted == 0
