@@ -101,8 +101,8 @@ class MixedGenerator(BatchGenerator):
     def _drafts(self) -> list[list[int]]:
         """A draft for each stream for the next step: its prompt-lookup guess, as long as its
         `Pace` says and its `max_tokens` leaves room for, or for a lone stream where lookup
-        finds none the draft model's; [] for a plain step, as when any stream has none (the
-        batch would keep one position a row: see `speculative`)."""
+        finds none the draft model's; [] for a plain step, when no stream has one (a stream
+        without one rides along: see `speculative`)."""
         streams = self._generation_batch
         if not can_verify(streams):
             return []
@@ -119,7 +119,7 @@ class MixedGenerator(BatchGenerator):
         rooms = [m - n - 1 for m, n in zip(streams.max_tokens, streams._num_tokens, strict=True)]
         lengths = [min(self._drafting[u][1].next_length(), room, longest)
                    for u, room in zip(uids, rooms, strict=True)]  # fmt: skip
-        if not modelled and min(lengths) <= 0:
+        if not modelled and max(lengths) <= 0:
             return []
         drafts = []
         for i, (uid, last) in enumerate(zip(uids, streams._next_tokens.tolist(), strict=True)):
@@ -132,22 +132,21 @@ class MixedGenerator(BatchGenerator):
                     self._drafting[uid] = (lookup, pace, state)
                 draft = state.draft(lookup.tokens, min(self.draft_model.tokens, rooms[i], longest))
                 self._from_model = state
-            if not draft:
-                return []
             drafts.append(draft)
-        return drafts
+        return drafts if any(drafts) else []
 
     def _verified(self, streams: Any, drafts: list[list[int]]) -> list[Any]:
         uids = list(streams.uids)  # before the step: it drops the streams that end
         responses, agreed, used = verify(streams, drafts)
-        k = min(len(d) for d in drafts)
         if self._from_model is not None:
-            self._from_model.accept(min(agreed))
-        for uid, ok, emitted in zip(uids, agreed, used, strict=True):
+            self._from_model.accept(agreed[0])
+        for uid, draft, ok, emitted in zip(uids, drafts, agreed, used, strict=True):
+            if not draft:
+                continue
             if self._from_model is None and uid in self._drafting:
-                self._drafting[uid][1].saw(k, ok)
+                self._drafting[uid][1].saw(len(draft), ok)
             if self.on_verified is not None:
-                self.on_verified(uid, k, emitted)
+                self.on_verified(uid, len(draft), emitted)
         return responses
 
     def _chunk_beside(self) -> list[int] | None:

@@ -6,13 +6,13 @@ in followed by a draft of k more (`drafting`), all rows in one forward pass over
 positions. After each position the row's sampler draws the token a plain step would have
 drawn there (greedy: the argmax; sampled: a draw from the row's own filtered distribution,
 its key split once a draw as a plain step splits it); the draft's tokens that equal those
-draws are the row's accepted ones. The rows share one KV index (`BatchKVCache` keeps one
-`_idx` for the batch), so they keep the same number of positions: the step emits, for
-every row, its token and as many drafted tokens as the row that accepted fewest did; the
-KV of the rest is trimmed off, a seeded sampler's key goes back to what the kept draws
-left it, and each row's draw after its last emitted token becomes the next step's input,
-as a plain step would have left it. Every row's draft is cut to the shortest one:
-positions past it could never be emitted.
+draws are the row's accepted ones, and the step emits, for every row, its token and those.
+A row without a draft (or with a shorter one) is filled out with tokens it never keeps.
+The rows share one KV index (`BatchKVCache` keeps one `_idx` for the batch): the positions
+past the most any row accepted are trimmed off, and each row's own rejected ones below
+that become gaps its masks hide (`gapped_cache`). A seeded sampler's key goes back to what
+the kept draws left it, and each row's draw after its last emitted token becomes the next
+step's input, as a plain step would have left it.
 
 Why a drawn token equal to the draft is the rule for sampling too: a draft is one token,
 not a distribution, and accepting it with the probability the model gives it (the
@@ -21,10 +21,10 @@ differs is the model's own token, as the rule's draw from what is left would be.
 a reply has the distribution it has without drafts, and a seeded one is the same reply.
 
 Invariants: every token emitted is the one plain steps would emit (chosen by the same
-sampler, the same key for a seeded one, over the same context); the batch's caches hold
-the KV of exactly the tokens in `tokens` (what a finished sequence's cache goes to the
-prompt cache with); `max_tokens` and the stop tokens end a sequence at the token they
-would have, and nothing past it is emitted.
+sampler, the same key for a seeded one, over the same context); the batch's caches hold,
+gaps aside, the KV of exactly the tokens in `tokens` (what a finished sequence's cache
+goes to the prompt cache with); `max_tokens` and the stop tokens end a sequence at the
+token they would have, and nothing past it is emitted.
 
 Only where trimming the caches undoes the rejected tokens (`BatchKVCache` layers), for
 sequences without logits processors (a grammar, biases, penalties: they would have to see
@@ -41,10 +41,11 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..runtime import cpu_logprobs
+from .gapped_cache import GappedKVCache
 
 # A pass's rows and positions (rows times k+1) at most: past them the extra positions
-# cost more than the tokens the fewest-accepting row lets the batch keep (`--pass-cost` in
-# bench/speculation.py; bench/README.md, "Speculative decoding").
+# cost more than the accepted tokens they bring (`--pass-cost` in bench/speculation.py;
+# bench/README.md, "Speculative decoding").
 MAX_ROWS, MAX_POSITIONS = 4, 16
 
 
@@ -67,36 +68,42 @@ def can_verify(batch: GenerationBatch) -> bool:
 
 def _trimmable(cache: Any) -> bool:
     # By its trim: subclasses that only change how a sequence is handed out qualify.
-    return isinstance(cache, BatchKVCache) and type(cache).trim is BatchKVCache.trim
+    return isinstance(cache, BatchKVCache) and type(cache).trim in (
+        BatchKVCache.trim,
+        GappedKVCache.trim,
+    )
 
 
 def verify(
     batch: GenerationBatch, drafts: list[list[int]]
 ) -> tuple[list[Any], list[int], list[int]]:
-    """One step of `batch` (see `can_verify`) taking each row's draft (none empty) in after
-    its next token: the responses of every token emitted, row by row; for each row how many
-    of its draft's first tokens the model agreed with; and how many drafted tokens each row
-    emitted (the fewest any row agreed with, or fewer where the row ended)."""
-    k = min(len(d) for d in drafts)
+    """One step of `batch` (see `can_verify`) taking each row's draft in after its next
+    token (a row without one, or with a shorter one, is filled out with tokens never
+    kept): the responses of every token emitted, row by row; for each row how many of its
+    draft's first tokens the model agreed with; and how many drafted tokens each row
+    emitted (as many as it agreed with, or fewer where the row ended)."""
+    k = max(len(d) for d in drafts)
     first = batch._next_tokens
-    rows = mx.array([d[:k] for d in drafts], dtype=first.dtype)
+    rows = mx.array([d + [0] * (k - len(d)) for d in drafts], dtype=first.dtype)
     logits = batch.model(mx.concatenate([first[:, None], rows], axis=1), cache=batch.prompt_cache)
     # B*(k+1) rows: numpy's vectorized exp where the CPU fast path is on (`cpu_logprobs`).
     logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
     chosen, keys = _drawn(batch, logprobs)
     mx.eval(chosen, logprobs, batch._next_logprobs)
     model_says, firsts = chosen.tolist(), first.tolist()
-    agreed = [_agreeing(d[:k], says) for d, says in zip(drafts, model_says, strict=True)]
-    accepted = min(agreed)
-    kept = accepted + 1  # positions every row keeps: its token and the accepted drafts
-    for c in batch.prompt_cache:
-        c.trim(k + 1 - kept)
-    for sampler, drawn in keys:
-        sampler.key = drawn[accepted]  # the key the kept draws left
+    agreed = [_agreeing(d, says) for d, says in zip(drafts, model_says, strict=True)]
+    most = max(agreed)
+    rejected = [most - n for n in agreed]
+    for c in batch.prompt_cache:  # the positions past every row's kept ones go, then each
+        c.trim(k - most)  # row's own rejected ones become gaps
+        if any(rejected):
+            GappedKVCache.of(c).leave(rejected)
+    for i, sampler, drawn in keys:
+        sampler.key = drawn[agreed[i]]  # the key the kept draws left
     out, keep, used = [], [], []
-    for i, (uid, draft) in enumerate(zip(batch.uids, drafts, strict=True)):
-        tokens = [firsts[i], *draft[:accepted]]
-        token_logprobs = [batch._next_logprobs[i], *(logprobs[i, j] for j in range(accepted))]
+    for i, (uid, draft, n) in enumerate(zip(batch.uids, drafts, agreed, strict=True)):
+        tokens = [firsts[i], *draft[:n]]
+        token_logprobs = [batch._next_logprobs[i], *(logprobs[i, j] for j in range(n))]
         emitted, reason = _emitted(batch, i, tokens, token_logprobs)
         batch.tokens[i].extend(t for t, _ in emitted)
         used.append(len(emitted) - 1)
@@ -108,12 +115,12 @@ def verify(
         last.finish_reason, last.all_tokens = reason, batch.tokens[i]
         last.prompt_cache = batch.extract_cache(i)
         for c in last.prompt_cache:  # the KV of what this row did not emit goes too
-            c.trim(kept - len(emitted))
+            c.trim(n + 1 - len(emitted))
     if len(keep) < len(batch.uids):
         batch.filter(keep)
     if keep:
-        batch._next_tokens = chosen[mx.array(keep), accepted]
-        batch._next_logprobs = [logprobs[i, accepted] for i in keep]
+        batch._next_tokens = chosen[mx.array(keep), mx.array([agreed[i] for i in keep])]
+        batch._next_logprobs = [logprobs[i, agreed[i]] for i in keep]
     return out, agreed, used
 
 
@@ -135,7 +142,7 @@ def _drawn(batch: GenerationBatch, logprobs: mx.array) -> tuple[mx.array, list[A
             after.append(getattr(own, "key", None))
         rows.append(mx.concatenate(draws))
         if after[0] is not None:
-            keys.append((own, after))
+            keys.append((i, own, after))
     return mx.stack(rows), keys
 
 

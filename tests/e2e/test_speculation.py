@@ -204,7 +204,7 @@ def generate_many(model, prompts: list[list[int]], limits: list[int], eos: int, 
                   samplers: list | None = None):  # fmt: skip
     """Each stream's tokens, finish reason, final KV and tokens, the streams decoding in one
     batch, and the drafted tokens accepted; with `oracles`, one a stream, each a function of
-    the tokens it generated so far that gives the step's draft (a step drafts when every
+    the tokens it generated so far that gives the step's draft (a step drafts when any
     stream's oracle gives one). `verified` gets the number of streams of each step that
     verified drafts, `logprobs_out` each stream's logprobs, a row a token; `samplers`, one a
     stream, sample (greedy without)."""
@@ -226,7 +226,7 @@ def generate_many(model, prompts: list[list[int]], limits: list[int], eos: int, 
             for i, uid in enumerate(streams.uids):
                 j = uids.index(uid)
                 out.append(oracles[j](len(streams.tokens[i]) + 1 - len(prompts[j])))
-            if not all(out):
+            if not any(out):
                 return []
             if verified is not None:
                 verified.append(len(out))
@@ -315,6 +315,54 @@ def test_streams_verify_their_drafts_in_one_pass_as_plain_steps_decode(tiny_mode
     verified = []
     got, accepted = generate_many(model, prompts, limits, eos, oracles, verified, got_lp)
     assert accepted > 0 and max(verified) == 4 and min(verified) < 4
+    for (out, (reason, kv, tokens)), (want, (want_reason, want_kv, want_tokens)) in zip(
+        got, plain, strict=True
+    ):
+        assert (out, reason, tokens) == (want, want_reason, want_tokens)
+        assert same_kv(kv, want_kv)
+    for a, b in zip(got_lp, want_lp, strict=True):
+        assert a.shape == b.shape and np.allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+@pytest.mark.parametrize("close_up", [False, True])
+def test_each_stream_keeps_what_it_accepted_and_streams_without_drafts_ride_along(
+    tiny_model, monkeypatch, close_up
+):
+    """One stream never drafts, one drafts every other step, one is always right, one is
+    wrong every third step: each keeps the drafted tokens it accepted, the positions it
+    rejected left as gaps its mask hides (`close_up`: closed up as soon as there are two);
+    replies, ends, KV and logprobs are those of plain steps."""
+    import numpy as np
+
+    from app.engine import gapped_cache
+    from app.engine.gapped_cache import GappedKVCache
+
+    gapped, closed = [], []
+    leave, compact = GappedKVCache.leave, GappedKVCache.compact
+    monkeypatch.setattr(GappedKVCache, "leave",
+                        lambda c, r: (gapped.append(any(r)), leave(c, r))[1])  # fmt: skip
+    monkeypatch.setattr(GappedKVCache, "compact", lambda c: (closed.append(1), compact(c))[1])
+    if close_up:
+        monkeypatch.setattr(gapped_cache, "MIN_GAPS", 2)
+        monkeypatch.setattr(gapped_cache, "GAP_SHARE", 0.0)
+    model, tokenizer = tiny_model
+    eos = tokenizer.eos_token_id
+    prompts = [list(tokenizer.encode(SOURCE[i:])) for i in (0, 9, 40, 75)]
+    limits = [30, 24, 19, 40]
+    want_lp, got_lp = [], []
+    plain, _ = generate_many(model, prompts, limits, eos, logprobs_out=want_lp)
+    replies = [out for out, _ in plain]
+
+    def every_other(done: int) -> list[int]:
+        return oracle_of(replies[1], eos, None, 3)(done) if done % 2 else []
+
+    def wrong_often(done: int) -> list[int]:
+        draft = replies[3][done : done + 3] + [eos] * 3
+        return draft if done % 3 else [draft[0], (draft[1] + 1) % 50, *draft[2:]]
+
+    oracles = [lambda done: [], every_other, oracle_of(replies[2], eos, None, 3), wrong_often]
+    got, accepted = generate_many(model, prompts, limits, eos, oracles, [], got_lp)
+    assert accepted > 0 and any(gapped) and bool(closed) == close_up
     for (out, (reason, kv, tokens)), (want, (want_reason, want_kv, want_tokens)) in zip(
         got, plain, strict=True
     ):
