@@ -33,7 +33,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache
 from ..runtime.forward_together import forward_together, logits, supports
 from .draft_model import DraftModel, DraftState
 from .drafting import Pace, PromptLookup
-from .speculative import can_verify, longest_draft, verify
+from .speculative import can_verify, draft_length, longest_draft, verify
 
 
 def _mask_in_order(make_mask: Any) -> Any:
@@ -101,8 +101,8 @@ class MixedGenerator(BatchGenerator):
     def _drafts(self) -> list[list[int]]:
         """A draft for each stream for the next step: its prompt-lookup guess, as long as its
         `Pace` says and its `max_tokens` leaves room for, or for a lone stream where lookup
-        finds none the draft model's; [] for a plain step, when no stream has one (a stream
-        without one rides along: see `speculative`)."""
+        finds none the draft model's, all cut to `draft_length`; [] for a plain step, when no
+        stream has one or too few do (a stream without one rides along: `speculative`)."""
         streams = self._generation_batch
         if not can_verify(streams):
             return []
@@ -133,7 +133,8 @@ class MixedGenerator(BatchGenerator):
                 draft = state.draft(lookup.tokens, min(self.draft_model.tokens, rooms[i], longest))
                 self._from_model = state
             drafts.append(draft)
-        return drafts if any(drafts) else []
+        k = draft_length([len(d) for d in drafts])
+        return [d[:k] for d in drafts] if k else []
 
     def _verified(self, streams: Any, drafts: list[list[int]]) -> list[Any]:
         uids = list(streams.uids)  # before the step: it drops the streams that end

@@ -43,15 +43,35 @@ from mlx_lm.sample_utils import greedy_sampler
 from ..runtime import cpu_logprobs
 from .gapped_cache import GappedKVCache
 
-# A pass's rows and positions (rows times k+1) at most: past them the extra positions
-# cost more than the accepted tokens they bring (`--pass-cost` in bench/speculation.py;
-# bench/README.md, "Speculative decoding").
+# A pass's rows and positions (rows times k+1) at most, past which the pass-cost model
+# below was not measured (`--pass-cost` in bench/speculation.py; bench/README.md,
+# "Speculative decoding").
 MAX_ROWS, MAX_POSITIONS = 4, 16
+# A pass over P positions a row costs about 1 + (P-1) * (PER_POSITION + PER_ROW * rows)
+# times one over a position a row, on this CPU (`--pass-cost`).
+PER_POSITION, PER_ROW = 0.1, 0.03
+# The share of drafted tokens accepted where drafts are made (`python -m bench speculation`).
+ACCEPTED = 0.75
 
 
 def longest_draft(rows: int) -> int:
     """The longest draft a batch of `rows` sequences verifies."""
     return MAX_POSITIONS // rows - 1
+
+
+def draft_length(lengths: list[int]) -> int:
+    """How many drafted tokens a step of streams with drafts this long (0: none) verifies,
+    each stream's draft cut to it: the length whose expected tokens for what its pass costs
+    beat a plain step's most; 0 for a plain step. A stream alone drafts all it has; one
+    drafting stream among four costs the others more than it gains."""
+    rows = len(lengths)
+    best, best_rate = 0, float(rows)
+    for k in range(1, min(max(lengths, default=0), longest_draft(rows)) + 1):
+        tokens = rows + ACCEPTED * sum(min(n, k) for n in lengths)
+        rate = tokens / (1 + k * (PER_POSITION + PER_ROW * rows))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 def can_verify(batch: GenerationBatch) -> bool:

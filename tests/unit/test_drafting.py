@@ -54,3 +54,17 @@ def test_the_pace_grows_on_success_shrinks_on_failure_and_pauses():
         pace.saw(pace.next_length() or 1, 0)
     assert [pace.next_length() for _ in range(PAUSE)] == [0] * PAUSE
     assert pace.next_length() > 0
+
+
+def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
+    from app.engine.speculative import draft_length, longest_draft
+
+    assert draft_length([9]) == 9  # alone, every drafted token is nearly free
+    assert draft_length([40]) == longest_draft(1)
+    assert draft_length([0]) == draft_length([0, 0]) == 0
+    assert draft_length([3, 3, 3, 3]) == 3
+    assert draft_length([5, 0]) == 5  # one of two streams drafting pays for the other's row
+    # One of four does not: three rows of positions it fills but never keeps cost more.
+    assert draft_length([3, 0, 0, 0]) == 0
+    assert draft_length([3, 3, 0, 0]) == 3
+    assert draft_length([1, 7]) == longest_draft(2)
