@@ -15,6 +15,8 @@ Two workloads through the `openai` SDK, greedy, streamed with usage:
         make these slower
   mixed one edit and three chat questions at once (the edit's tokens/s as "mixed-edit",
         the chats' as "mixed-chat")
+  sharegpt  with `--sharegpt N`: the first user messages of N ShareGPT conversations
+        (`sharegpt.conversations`), 4 at once, 200 tokens: ordinary chat in a batch
 
 Reported per server and workload: decode tokens/s per stream (completion tokens after the
 first over the time from the first to the last content chunk), median over the requests;
@@ -50,7 +52,7 @@ from app.models.default_model import default_model_dir
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["app/engine/drafting.py", "app/engine/speculative.py", "prompt_cache/eviction.py",
          "app/engine/placement.py"]  # fmt: skip
-WORKLOADS = ["edit-1", "edit-4", "chat-1", "mixed-edit", "mixed-chat"]
+WORKLOADS = ["edit-1", "edit-4", "chat-1", "mixed-edit", "mixed-chat", "sharegpt"]
 QUESTIONS = ["Why is the sky blue?", "Name three uses of copper.", "What is a prime number?",
              "How do bees make honey?"]  # fmt: skip
 
@@ -155,6 +157,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "speculation.json")
     ap.add_argument("--pass-cost", action="store_true", help="measure a pass's cost by rows")
+    ap.add_argument("--sharegpt", type=int, default=0, help="ShareGPT questions to add")
     ap.add_argument("--servers", help="a comma-separated subset of the servers to run")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     ap.add_argument("--llama-gguf", help="the default model as an F32 gguf")
@@ -167,6 +170,12 @@ def main() -> None:
     model = str(default_model_dir())
     edits = [edit_prompt(f) for f in FILES]
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    shared = []
+    if args.sharegpt:
+        from sharegpt import conversations
+
+        said = conversations(args.sharegpt, 1, 300)
+        shared = [[{"role": "user", "content": turns[0]}] for turns in said]
     servers: dict = {"ours": [], "ours-plain": ["--no-speculation"], "peer": None}
     if args.llama_server:
         servers |= {f"llama:{spec}": spec for spec in args.llama_spec.split(",")}
@@ -194,12 +203,14 @@ def main() -> None:
                 mixed = together(url, served, [edits[0], *chats[1:]], args.tokens)
                 row["mixed-edit"] += [r for r in mixed if r["prompt"] == 0]
                 row["mixed-chat"] += [r for r in mixed if r["prompt"] != 0]
+                for at in range(0, len(shared), 4):
+                    row["sharegpt"] += together(url, served, shared[at : at + 4], args.tokens // 2)
             if kind == "ours":
                 row["drafts"] = drafts(url)
             results[name] = row
             print(f"[{name}] done", flush=True)
     summary: dict = {}
-    for workload in WORKLOADS:
+    for workload in [w for w in WORKLOADS if all(results[n][w] for n in servers)]:
         med = {n: statistics.median(r["tokens_per_s"] for r in results[n][workload]
                                     if r["tokens_per_s"]) for n in servers}  # fmt: skip
         texts = {n: sorted(r["text"] for r in results[n][workload]) for n in servers}
