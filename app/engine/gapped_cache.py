@@ -26,9 +26,11 @@ GAP_SHARE, MIN_GAPS = 0.25, 64
 
 
 class GappedKVCache(BatchKVCache):
+    gaps: mx.array | None = None  # (rows, n) bool: True where a position is a gap
+
     def __init__(self, left_padding: list[int]) -> None:
         super().__init__(left_padding)
-        self.gaps: mx.array | None = None  # (rows, n) bool: True where a position is a gap
+        self.gaps = None
 
     @classmethod
     def of(cls, cache: BatchKVCache) -> GappedKVCache:

@@ -42,6 +42,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ..runtime import cpu_logprobs
 from .gapped_cache import GappedKVCache
+from .sampling import Categorical
 
 # A pass's rows and positions (rows times k+1) at most, past which the pass-cost model
 # below was not measured (`--pass-cost` in bench/speculation.py; bench/README.md,
@@ -75,14 +76,25 @@ def draft_length(lengths: list[int]) -> int:
 
 
 def can_verify(batch: GenerationBatch) -> bool:
-    """Whether no sequence of `batch` has logits processors and its caches a trim rolls
-    back."""
+    """Whether no sequence of `batch` has logits processors, its samplers' draws can be
+    undone, and its caches a trim rolls back."""
     n = len(batch.uids)
     return (
         0 < n <= MAX_ROWS
         and batch._next_tokens is not None
         and not any(batch.logits_processors or [])
+        and all(_rewindable(s) for s in batch.samplers or [])
         and all(_trimmable(c) for c in batch.prompt_cache)
+    )
+
+
+def _rewindable(sampler: Any) -> bool:
+    # Draws past the kept ones are undone by putting the key back: a sampler whose only
+    # state is a `Categorical`'s key.
+    return (
+        sampler is None
+        or isinstance(getattr(sampler, "__wrapped__", sampler), Categorical)
+        or sampler is greedy_sampler
     )
 
 

@@ -403,6 +403,30 @@ def test_seeded_sampled_streams_verify_drafts_as_plain_steps_draw(tiny_model):
         assert same_kv(kv, want_kv)
 
 
+def test_a_sampler_whose_draws_cannot_be_undone_decodes_plainly(tiny_model):
+    """Verifying draws past the tokens kept; only a `Categorical`'s key can be put back, so a
+    stream with any other sampler (its own state unknown) is not drafted for."""
+    import mlx.core as mx
+
+    from app.engine.sampling import make_sampler
+
+    model, tokenizer = tiny_model
+    eos = tokenizer.eos_token_id
+    prompts = [list(tokenizer.encode(SOURCE))]
+
+    def own(logprobs):  # not a `Categorical`: whatever state it has cannot be put back
+        return mx.argmax(logprobs, axis=-1)
+
+    plain, _ = generate_many(model, prompts, [20], eos, samplers=[own])
+    verified = []
+    oracles = [oracle_of(plain[0][0], eos, None)]
+    got, _ = generate_many(model, prompts, [20], eos, oracles, verified, None, [own])
+    assert got[0][0] == plain[0][0] and verified == []
+    seeded, _ = generate_many(model, prompts, [20], eos, oracles, verified, None,
+                              [make_sampler(0.7, seed=3)])  # fmt: skip
+    assert verified  # the same stream with a `Categorical` drafts
+
+
 def test_more_streams_than_verify_together_decode_plainly(tiny_model):
     """Past `MAX_ROWS` streams every step is a plain one, until streams end."""
     from app.engine.speculative import MAX_ROWS
