@@ -43,6 +43,10 @@ WORKLOADS = {
                        "decode throughput with 8 and 16 streams"),
     "speculation": Workload("speculation.py", (), "speculation.json",
                             "prompt-lookup drafts: edit-style turns and chat, on and off"),
+    "speculation-batches": Workload("speculation.py", (
+        "--rounds", "1", "--sharegpt", "8", "--servers", "ours,ours-plain",
+        "--out", "bench/results/speculation_ours.json"), "speculation_ours.json",
+        "prompt-lookup drafts in batches: a mixed batch, ShareGPT questions, on and off"),
     "mixed": Workload("mixed.py", ("--rounds", "3"), "mixed.json",
                       "running streams beside a long prompt's prefill"),
     "cache-ops": Workload("cache_ops.py", (), "cache_ops.json",

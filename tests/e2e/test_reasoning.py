@@ -42,7 +42,8 @@ def live(tmp_path_factory):
     folder = build_tiny_model(
         Path(tmp_path_factory.mktemp("tiny-think")), chat_template=THINK_CHATML, thinking=True
     )
-    settings = Settings(served_model_name="tiny")
+    # Without speculation: a verification pass of several positions would restart the script.
+    settings = Settings(served_model_name="tiny", speculation=False)
     engine = build_engine(settings, str(folder))
     # The prompt opens the thinking; the model closes it, answers, and ends its turn.
     reply = f"{THOUGHT}\n</think>\n\n{ANSWER}"
