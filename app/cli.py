@@ -195,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "import-gguf":
         return import_command(args)
-    from .runtime.blas import reexec_with_openblas
+    from .runtime.blas import reexec_preloaded
 
-    reexec_with_openblas(["-m", "app", *argv])
+    reexec_preloaded(["-m", "app", *argv])
     return serve(args)
 
 

@@ -44,7 +44,7 @@ import httpx
 from openai import APIConnectionError, AsyncOpenAI
 
 from app.models.default_model import default_model_dir
-from app.runtime.blas import find_openblas
+from app.runtime.blas import preload
 from prompt_cache.radix import common_prefix_length
 
 RESULTS = Path(__file__).parent / "results"
@@ -146,9 +146,9 @@ def start(
     # its folder so that `-m app` imports that tree's code.
     cwd = kind.partition("@")[2] or None
     env = dict(os.environ, MLX_CACHE_SERVER_BLAS_CHECKED="1")
-    lib = find_openblas()
-    if lib:
-        env["LD_PRELOAD"] = lib  # both servers get the same BLAS
+    # Both servers get the same BLAS; this tree's server, its decode kernels in front.
+    if libs := preload(kernels=kind.startswith("ours") and not cwd):
+        env["LD_PRELOAD"] = " ".join(libs)
     log = Path(tempfile.mkstemp(prefix=f"bench-{kind.replace('/', '_')}-", suffix=".log")[1])
     with log.open("wb") as err:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)

@@ -46,7 +46,7 @@ from multiturn import RESULTS, Call, free_port, question, send, system_prompt, w
 from openai import AsyncOpenAI
 
 from app.models.default_model import default_model_dir
-from app.runtime.blas import find_openblas
+from app.runtime.blas import preload
 
 
 @contextmanager
@@ -63,8 +63,9 @@ def started(setup: str, model: str):
         serve = ["-m", "mlx_lm.server", "--model", model, "--port", str(port), *pipeline]
     env = dict(os.environ, MLX_CACHE_SERVER_BLAS_CHECKED="1")
     env["OPENBLAS_NUM_THREADS"] = str(max(1, 2 // int(ranks)))
-    if lib := find_openblas():
-        env["LD_PRELOAD"] = lib  # both servers get the same BLAS
+    # Both servers get the same BLAS; ours, its decode kernels in front.
+    if libs := preload(kernels=kind == "ours"):
+        env["LD_PRELOAD"] = " ".join(libs)
     hosts = Path(tempfile.mkstemp(prefix="bench-hosts-", suffix=".json")[1])
     hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(int(ranks))]))
     log = Path(tempfile.mkstemp(prefix=f"bench-{setup}-", suffix=".log")[1])

@@ -37,6 +37,7 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -48,6 +49,7 @@ from multiturn import RESULTS, free_port, running
 from openai import OpenAI
 
 from app.models.default_model import default_model_dir
+from app.runtime.blas import reexec_preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["app/engine/drafting.py", "app/engine/speculative.py", "prompt_cache/eviction.py",
@@ -125,6 +127,7 @@ def drafts(url: str) -> dict[str, float]:
 
 
 def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8)) -> None:
+    reexec_preloaded(sys.argv)  # the server's BLAS and kernels, before MLX is imported
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache

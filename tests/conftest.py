@@ -6,18 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from app.runtime.blas import openblas_to_preload, reexec_with_openblas
+from app.runtime.blas import reexec_preloaded, to_preload
 from tests.tiny_model import build_tiny_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Like the server, the tests run MLX's CPU matmuls on OpenBLAS when it is
-    # installed: re-run pytest with it preloaded, its output back on the terminal.
-    if openblas_to_preload() is not None:
+    # Like the server, the tests run MLX's CPU matmuls on OpenBLAS, with our decode
+    # kernels in front, when they are there: re-run pytest with them preloaded, its
+    # output back on the terminal.
+    if to_preload():
         capture = config.pluginmanager.getplugin("capturemanager")
         if capture is not None:
             capture.stop_global_capturing()
-        reexec_with_openblas(["-m", "pytest", *config.invocation_params.args])
+        reexec_preloaded(["-m", "pytest", *config.invocation_params.args])
 
 
 @pytest.fixture(scope="session")

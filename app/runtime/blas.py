@@ -1,9 +1,10 @@
 """Use Debian's OpenBLAS for MLX's CPU matmuls when it is installed.
 
 The `mlx[cpu]` wheel bundles the reference BLAS, many times slower for float32
-prefill than OpenBLAS (bench/README.md, "The CPU path"). The library has
-to be loaded before MLX is, so a process that lacks it re-executes
-itself once with LD_PRELOAD set; the user never has to know.
+prefill than OpenBLAS (bench/README.md, "The CPU path"). Our kernels for a decode
+step's products (`native.py`) go in front of it. Both have to be loaded before MLX is,
+so a process that lacks them re-executes itself once with LD_PRELOAD set; the user
+never has to know.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+
+from . import native
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -36,20 +39,34 @@ def openblas_loaded() -> bool:
         return False
 
 
-def openblas_to_preload() -> str | None:
-    """The OpenBLAS library this process should be re-executed with, if any."""
-    if not sys.platform.startswith("linux") or os.environ.get(_DONE) or openblas_loaded():
-        return None
-    return find_openblas()
+def preload(kernels: bool = True) -> list[str]:
+    """What a process running MLX on this CPU preloads, in order: our kernels (unless
+    `kernels` is False or they cannot be built), which hand what they do not compute to
+    the BLAS after them, then OpenBLAS. Nothing without OpenBLAS, or off Linux."""
+    openblas = find_openblas()
+    if not sys.platform.startswith("linux") or openblas is None:
+        return []
+    lib = native.library() if kernels else None
+    return [str(lib), openblas] if lib else [openblas]
 
 
-def reexec_with_openblas(argv: list[str]) -> None:
-    """Replace this process by `argv` with OpenBLAS preloaded, if that helps here."""
-    lib = openblas_to_preload()
-    if lib is None:
+def to_preload() -> list[str]:
+    """`preload()`'s libraries if this process lacks one it could have, else nothing."""
+    if os.environ.get(_DONE) or (openblas_loaded() and native.loaded() is not None):
+        return []
+    libs = preload()
+    if len(libs) == 1 and openblas_loaded():  # the kernels cannot be built here
+        return []
+    return libs
+
+
+def reexec_preloaded(argv: list[str]) -> None:
+    """Replace this process by `argv` with `to_preload()`'s libraries, if that helps here."""
+    libs = to_preload()
+    if not libs:
         return
     env = dict(os.environ, **{_DONE: "1"})
-    env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env["LD_PRELOAD"] = " ".join(p for p in (*libs, env.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv], env)
@@ -60,7 +77,10 @@ def describe() -> tuple[str, bool]:
     if sys.platform == "darwin":
         return "Accelerate", True
     if openblas_loaded():
-        return "OpenBLAS (preloaded)", True
+        if native.loaded() is not None:
+            return "OpenBLAS (preloaded), a decode step's products on our kernels", True
+        why = native.problem or "not preloaded"
+        return f"OpenBLAS (preloaded); our decode kernels are off ({why})", True
     return (
         "the reference BLAS bundled with mlx-cpu (slow; apt-get install libopenblas0-pthread)",
         False,

@@ -1,0 +1,112 @@
+/* cblas_sgemm in front of the BLAS, for the products of a decode step.
+
+   MLX's CPU matmul hands every product to sgemm. A decode step multiplies a few rows by
+   each weight matrix, and a BLAS's sgemm packs the whole weight into blocks before it
+   multiplies: for one row that copy costs as much as the product. Here a product of at
+   most MAX_ROWS rows by a transposed matrix (x @ W.T, how MLX's Linear calls it) reads
+   each row of W once, for every row of x, on every core; any other call goes on to the
+   BLAS loaded after this library.
+
+   A row's result does not depend on the rows beside it or on the number of cores: each
+   output is summed in the same order whatever the call's shape, so a row decoded alone
+   and the same row in a batch or a draft's pass get the same bits. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "pool.h"
+#include "vec.h"
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+#define MAX_ROWS 8
+#define MIN_WEIGHTS 65536 /* smaller products stay with the BLAS: no cores to wake */
+
+typedef void (*sgemm)(int, int, int, int, int, int, float, const float *, int,
+                      const float *, int, float, float *, int);
+
+struct product {
+    int m, n, k, lda, ldb, ldc;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+};
+
+static sgemm next; /* the BLAS's own */
+static atomic_long calls; /* products computed here, for tests and the startup log */
+
+long mlxcs_gemm_calls(void) { return atomic_load(&calls); }
+int mlxcs_gemm_max_rows(void) { return MAX_ROWS; }
+
+static inline __attribute__((always_inline)) void finish(const struct product *p, int m,
+                                                         int n, vec acc) {
+    const float *x = p->a + (long)m * p->lda, *w = p->b + (long)n * p->ldb;
+    float s = vsum(acc);
+    for (int k = p->k / LANES * LANES; k < p->k; k++) s += x[k] * w[k];
+    float *out = p->c + (long)m * p->ldc + n;
+    /* beta 0 means C is not read (it may hold anything), as in BLAS */
+    *out = p->beta == 0 ? p->alpha * s : p->alpha * s + p->beta * *out;
+}
+
+/* R rows of x from m against C rows of W from n, in registers */
+#define TILE(R, C)                                                                   \
+    static void tile_##R##_##C(const struct product *p, int m, int n) {             \
+        const float *x = p->a + (long)m * p->lda, *w = p->b + (long)n * p->ldb;      \
+        const long lda = p->lda, ldb = p->ldb;                                       \
+        const int whole = p->k / LANES * LANES;                                      \
+        vec acc[R][C];                                                               \
+        for (int r = 0; r < R; r++)                                                  \
+            for (int c = 0; c < C; c++) acc[r][c] = (vec){0};                        \
+        for (int k = 0; k < whole; k += LANES) {                                     \
+            vec wk[C];                                                               \
+            for (int c = 0; c < C; c++) wk[c] = *(const vec *)(w + c * ldb + k);     \
+            for (int r = 0; r < R; r++) {                                            \
+                vec xk = *(const vec *)(x + r * lda + k);                            \
+                for (int c = 0; c < C; c++) acc[r][c] += xk * wk[c];                 \
+            }                                                                        \
+        }                                                                            \
+        for (int r = 0; r < R; r++)                                                  \
+            for (int c = 0; c < C; c++) finish(p, m + r, n + c, acc[r][c]);          \
+    }
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
+TILE(1, 4) TILE(2, 4) TILE(3, 2) TILE(4, 2)
+
+/* W's rows of this part, four at a time, each four kept in cache while every block of
+   up to four rows of x goes past them */
+static void multiply(const void *task, int part, int parts) {
+    const struct product *p = task;
+    int share = (p->n + parts - 1) / parts;
+    int n = part * share, end = n + share < p->n ? n + share : p->n;
+    for (; n + 4 <= end; n += 4)
+        for (int m = 0; m < p->m; m += 4) switch (p->m - m < 4 ? p->m - m : 4) {
+            case 1: tile_1_4(p, m, n); break;
+            case 2: tile_2_4(p, m, n); break;
+            case 3: tile_3_2(p, m, n), tile_3_2(p, m, n + 2); break;
+            default: tile_4_2(p, m, n), tile_4_2(p, m, n + 2);
+            }
+    for (; n < end; n++)
+        for (int m = 0; m < p->m; m += 4) switch (p->m - m < 4 ? p->m - m : 4) {
+            case 1: tile_1_1(p, m, n); break;
+            case 2: tile_2_1(p, m, n); break;
+            case 3: tile_3_1(p, m, n); break;
+            default: tile_4_1(p, m, n);
+            }
+}
+
+__attribute__((constructor)) static void find_blas(void) {
+    next = (sgemm)dlsym(RTLD_NEXT, "cblas_sgemm");
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                 const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                 int ldc) {
+    if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && m >= 1 &&
+        m <= MAX_ROWS && n >= 1 && k >= 0 && (long)n * k >= MIN_WEIGHTS) {
+        struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
+        pool_run(multiply, &p);
+        atomic_fetch_add(&calls, 1);
+        return;
+    }
+    if (!next) abort(); /* loaded with no BLAS after it: nothing to hand the call to */
+    next(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
