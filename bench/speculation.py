@@ -132,7 +132,10 @@ def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8)) ->
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache
 
+    from app.runtime import cpu_fast_path
+
     model, _ = load(str(default_model_dir()))
+    cpu_fast_path.install(model)  # as the server runs it
     for b in rows:
         cache = [BatchKVCache([0] * b) for _ in model.layers]
         prompt = mx.array([[(i * 7 + r) % 30000 for i in range(context)] for r in range(b)])

@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 
+from . import kernel_attention
 from .model_hooks import rebind
 
 MIN_SCORES = 1 << 18  # scores of one call below which MLX's own kernel is as fast
@@ -69,6 +70,10 @@ def scaled_dot_product_attention(
         )
     b, h, n_queries, dim = queries.shape
     n_kv, n_keys = keys.shape[1], keys.shape[2]
+    if n_queries <= kernel_attention.MAX_QUERIES and kernel_attention.available():
+        out = kernel_attention.attention(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
     if n_queries == 1 and n_keys <= DECODE_MAX_KEYS:
         if (h // n_kv) * max(dim, values.shape[-1]) * n_keys <= DECODE_MAX_PRODUCT:
             return decode_attention(queries, keys, values, scale, mask)

@@ -1,4 +1,5 @@
-"""The CPU fast path on a model: attention, SwiGLU and logprobs through numpy.
+"""The CPU fast path on a model: attention, SwiGLU and logprobs through numpy, and a few
+queries' attention on our kernel where it is preloaded (`kernel_attention`).
 
 One place for what the engine installs on MLX's CPU device, so that benchmarks measuring
 "as the server runs" install the same (`cpu_attention`, `cpu_activations`, `cpu_logprobs`

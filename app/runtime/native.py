@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCES = ("pool.c", "gemm.c")
+SOURCES = ("pool.c", "gemm.c", "attention.c")
 HEADERS = ("pool.h", "vec.h")
 NAME = "libmlx_cache_server_kernels.so"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=gnu11")

@@ -1,6 +1,7 @@
 """With the CPU fast path (attention's softmax, the MLP's SwiGLU and the logits'
-normalization through numpy, on by default on the CPU), greedy output with the cache
-equals output without it, through the `openai` SDK."""
+normalization through numpy, a few queries' attention on our kernel, on by default on
+the CPU), greedy output with the cache equals output without it, through the `openai`
+SDK."""
 
 from __future__ import annotations
 
@@ -8,19 +9,25 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from app.runtime import cpu_activations, cpu_attention, cpu_logprobs
+from app.runtime import cpu_activations, cpu_attention, cpu_logprobs, kernel_attention
 from tests.live import serving
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-only path")
 
 
 def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir, monkeypatch):
-    calls = []
-    real = cpu_attention.attention
+    calls, kernel = [], []
+    real, real_kernel = cpu_attention.attention, kernel_attention.attention
 
     def counting(*args):
         calls.append(args[0].shape)
         return real(*args)
+
+    def counting_kernel(*args):  # decode steps and short prompts, where it is preloaded
+        kernel.append(args[0].shape)
+        return real_kernel(*args)
+
+    monkeypatch.setattr(kernel_attention, "attention", counting_kernel)
 
     monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)  # every call, decode steps too
     monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
@@ -61,6 +68,10 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
             assert text == plain
             messages.append({"role": "assistant", "content": text})
     assert usage.prompt_tokens_details.cached_tokens > 0
-    assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
+    if kernel_attention.available():
+        assert any(shape[2] > kernel_attention.MAX_QUERIES for shape in calls)
+        assert any(shape[2] == 1 for shape in kernel)
+    else:
+        assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
     assert taken and all(taken)  # every SwiGLU through numpy
     assert len(normalized) >= generated and all(normalized)  # each token's, through numpy

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
-from app.runtime import cpu_attention
+from app.runtime import cpu_attention, kernel_attention
 
 
 def qkv(batch: int, heads: int, kv_heads: int, queries: int, keys: int, dim: int, seed: int = 0):
@@ -100,6 +100,8 @@ def test_query_chunks_give_the_same_rows(monkeypatch):
 
 
 def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
+    """Where our kernels are not preloaded (kernel_attention's routes are below)."""
+    monkeypatch.setattr(kernel_attention, "enabled", False)
     calls, decoded = [], []
     monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or a[0])
     monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: decoded.append(a) or a[0])
@@ -182,3 +184,28 @@ def test_one_chunk_of_scores_at_a_time(monkeypatch):
     out = cpu_attention.attention(q, k, v, 32**-0.5, "causal")
     mx.eval(out)
     assert mx.get_peak_memory() - before < whole_scores / 4
+
+
+def test_a_few_queries_a_sequence_go_to_the_kernel(monkeypatch):
+    if not kernel_attention.available():
+        pytest.skip("the kernels' library is not preloaded")
+    kernel, calls = [], []
+    real = kernel_attention.attention
+    monkeypatch.setattr(kernel_attention, "attention", lambda *a: kernel.append(a) or real(*a))
+    monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or a[0])
+
+    def run(q, k, v, mask=None, cache=None):
+        return cpu_attention.scaled_dot_product_attention(
+            q, k, v, cache=cache, scale=0.125, mask=mask
+        )
+
+    run(*qkv(1, 9, 3, 1, 3000, 64))  # a decode step over a long context
+    run(*qkv(4, 9, 3, 1, 100, 64))  # four streams over a short one
+    run(*qkv(1, 9, 3, 16, 4100, 64), mask="causal")  # a long draft's pass
+    assert len(kernel) == 3 and not calls
+    run(*qkv(1, 9, 3, 17, 4100, 64), mask="causal")  # a prefill chunk: numpy's softmax
+    assert len(kernel) == 3 and len(calls) == 1
+    run(*(a.astype(mx.float16) for a in qkv(1, 9, 3, 1, 300, 64)))  # not float32: MLX's
+    monkeypatch.setattr(kernel_attention, "enabled", False)
+    run(*qkv(1, 9, 3, 1, 3000, 64))
+    assert len(kernel) == 3

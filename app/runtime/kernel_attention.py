@@ -1,0 +1,115 @@
+"""Attention for a few queries a sequence on our kernel (`csrc/attention.c`).
+
+A decode step, a batch of them, or a draft's pass: up to `MAX_QUERIES` queries a
+sequence. MLX's CPU kernel computes `exp` one element at a time and each query's scores
+in turn, so a draft's pass of 8 positions cost 8 steps' attention; the kernel computes
+each query row on its own (the same bits in a pass as in a single step), its `exp`
+vectorized, its rows spread over the cores. The operands are the MLX arrays' own
+buffers, read in place (numpy views of them carry the strides); only the small output
+is copied back.
+
+Used by `cpu_attention` when the kernels' library is preloaded (`native.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from . import native
+
+MAX_QUERIES = 16  # queries a sequence: a decode step's 1 to a long draft's pass
+NO_MASK, CAUSAL, BOOL_MASK, ADDITIVE_MASK = range(4)
+
+enabled = True  # off: `cpu_attention` goes on as without the kernels
+
+_long3, _long4 = ctypes.c_long * 3, ctypes.c_long * 4
+
+
+class _Attention(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int) for name in
+          ("batch", "heads", "kv_heads", "queries", "keys", "dim", "vdim", "mask_kind")),
+        ("scale", ctypes.c_float),
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("q_stride", _long3), ("k_stride", _long3), ("v_stride", _long3),
+        ("mask", ctypes.c_void_p), ("mask_stride", _long4),
+        ("out", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+_function: Any = None
+
+
+def _kernel() -> Any:
+    global _function
+    if _function is None:
+        path = native.loaded()
+        if path is None:
+            return None
+        _function = ctypes.CDLL(str(path)).mlxcs_attention
+        _function.argtypes = [ctypes.POINTER(_Attention)]
+        _function.restype = ctypes.c_int
+    return _function
+
+
+def available() -> bool:
+    return enabled and _kernel() is not None
+
+
+def _view(a: mx.array) -> np.ndarray:
+    """`a`'s buffer as numpy sees it, the last axis contiguous."""
+    view = np.asarray(a)
+    return view if view.strides[-1] == 4 else np.ascontiguousarray(view)
+
+
+def _strides(view: np.ndarray) -> list[int]:
+    return [s // 4 for s in view.strides[:-1]]
+
+
+def attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+) -> mx.array | None:
+    """softmax(q k^T * scale + mask) v as `cpu_attention.attention` takes it; None where
+    the kernel does not compute it (the caller goes on to MLX's path)."""
+    b, heads, n_q, dim = queries.shape
+    kv_heads, n_k = keys.shape[1], keys.shape[2]
+    fn = _kernel()
+    if fn is None or n_q > MAX_QUERIES or heads % kv_heads or keys.shape[0] != b:
+        return None
+    arrays = [queries, keys, values, *([mask] if isinstance(mask, mx.array) else [])]
+    mx.eval(*arrays)
+    q, k, v = _view(queries), _view(keys), _view(values)
+    out = np.empty((b, heads, n_q, values.shape[-1]), np.float32)
+    spec = _Attention(
+        b, heads, kv_heads, n_q, n_k, dim, values.shape[-1], NO_MASK, scale,
+        q.ctypes.data, k.ctypes.data, v.ctypes.data,
+        _long3(*_strides(q)), _long3(*_strides(k)), _long3(*_strides(v)),
+        None, _long4(0, 0, 0, 0), out.ctypes.data,
+    )  # fmt: skip
+    held = None
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        spec.mask_kind = CAUSAL if n_q > 1 else NO_MASK
+    elif isinstance(mask, mx.array):
+        if mask.dtype not in (mx.bool_, mx.float32):
+            return None
+        m = np.asarray(mask)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        try:
+            held = np.broadcast_to(m, (b, heads, n_q, n_k))
+        except ValueError:  # not a mask of these queries and keys: MLX's path says so
+            return None
+        spec.mask_kind = BOOL_MASK if m.dtype == np.bool_ else ADDITIVE_MASK
+        spec.mask = held.ctypes.data
+        spec.mask_stride = _long4(*(s // held.itemsize for s in held.strides))
+    elif mask is not None:
+        return None
+    if fn(ctypes.byref(spec)) != 0:
+        return None
+    del held, q, k, v  # the views, kept alive until the kernel returned
+    return mx.array(out)

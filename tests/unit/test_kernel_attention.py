@@ -1,0 +1,110 @@
+"""Attention on our kernel (`app/runtime/kernel_attention.py`) against MLX's own."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import base
+
+from app.runtime import kernel_attention
+
+pytestmark = pytest.mark.skipif(
+    not kernel_attention.available(), reason="the kernels' library is not preloaded"
+)
+
+
+def operands(b, heads, kv_heads, n_q, n_k, dim=64, vdim=None, seed=0, room=0):
+    """Queries, and keys and values as a cache hands them out: the first `n_k` positions
+    of buffers `room` positions longer."""
+    mx.random.seed(seed)
+    q = mx.random.normal((b, heads, n_q, dim)) * 0.5
+    k = mx.random.normal((b, kv_heads, n_k + room, dim))[..., :n_k, :]
+    v = mx.random.normal((b, kv_heads, n_k + room, vdim or dim))[..., :n_k, :]
+    return q, k, v
+
+
+def theirs(q, k, v, mask, scale=0.125):
+    return base.scaled_dot_product_attention(q, k, v, cache=None, scale=scale, mask=mask)
+
+
+def ours(q, k, v, mask, scale=0.125):
+    out = kernel_attention.attention(q, k, v, scale, mask)
+    assert out is not None, "the kernel declined"
+    return out
+
+
+CASES = [  # batch, heads, kv heads, queries, keys, dim, vdim
+    (1, 9, 3, 1, 1500, 64, None),  # the default model's decode step
+    (1, 9, 3, 8, 1500, 64, None),  # a draft's pass
+    (4, 9, 3, 1, 300, 64, None),  # four streams
+    (2, 4, 4, 3, 17, 80, None),  # no grouping; head size with a tail past 16 lanes
+    (1, 8, 2, 16, 40, 32, 48),  # values wider than keys
+    (3, 2, 1, 2, 2, 16, None),  # as few keys as queries
+]
+
+
+@pytest.mark.parametrize(
+    "case,mask", [(c, m) for c in CASES for m in ("causal", None) if m or c[3] == 1]
+)
+def test_equals_mlx_within_float32_rounding(case, mask):
+    b, heads, kv_heads, n_q, n_k, dim, vdim = case
+    q, k, v = operands(b, heads, kv_heads, n_q, n_k, dim, vdim, room=7)
+    np.testing.assert_allclose(
+        np.array(ours(q, k, v, mask)), np.array(theirs(q, k, v, mask)), rtol=2e-5, atol=2e-6
+    )
+
+
+def test_boolean_masks_per_sequence_as_batches_make_them():
+    """Left padding and gaps hidden per row; a row masked everywhere averages the values,
+    as MLX's kernel gives it."""
+    b, n_q, n_k = 3, 4, 50
+    q, k, v = operands(b, 6, 2, n_q, n_k, seed=1)
+    rng = np.random.default_rng(1)
+    m = rng.random((b, 1, n_q, n_k)) > 0.3
+    m[1, 0, 2] = False  # a fully masked row
+    mask = mx.array(m)
+    np.testing.assert_allclose(
+        np.array(ours(q, k, v, mask)), np.array(theirs(q, k, v, mask)), rtol=2e-5, atol=2e-6
+    )
+
+
+def test_additive_masks_with_heads_and_minus_infinity():
+    q, k, v = operands(2, 4, 2, 3, 30, seed=2)
+    rng = np.random.default_rng(2)
+    m = rng.standard_normal((2, 4, 3, 30)).astype(np.float32)
+    m[:, :, :, :5] = -np.inf
+    np.testing.assert_allclose(
+        np.array(ours(q, k, v, mx.array(m))),
+        np.array(theirs(q, k, v, mx.array(m))),
+        rtol=2e-5,
+        atol=2e-6,
+    )
+
+
+def test_a_query_gets_the_same_bits_alone_as_in_a_pass():
+    """Why a draft's pass can equal single steps: query i of a causal pass is the single
+    step at its position, over the keys up to it."""
+    n_q, n_k = 8, 700
+    q, k, v = operands(1, 9, 3, n_q, n_k, seed=3)
+    together = np.array(ours(q, k, v, "causal"))
+    for i in range(n_q):
+        upto = n_k - n_q + i + 1
+        alone = ours(q[:, :, i : i + 1], k[:, :, :upto], v[:, :, :upto], None)
+        assert np.array_equal(np.array(alone)[:, :, 0], together[:, :, i]), f"query {i}"
+
+
+def test_large_scores_stay_finite():
+    """The exp is range-reduced: scores in the hundreds do not overflow."""
+    q, k, v = operands(1, 2, 1, 1, 64, seed=4)
+    q = q * 400
+    got, expected = np.array(ours(q, k, v, None)), np.array(theirs(q, k, v, None))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_declines_what_it_does_not_compute():
+    q, k, v = operands(1, 4, 2, 17, 40)
+    assert kernel_attention.attention(q, k, v, 0.1, "causal") is None  # too many queries
+    q, k, v = operands(1, 3, 2, 1, 40)
+    assert kernel_attention.attention(q, k, v, 0.1, None) is None  # heads not grouped evenly
