@@ -50,7 +50,7 @@ from .sampling import Categorical
 MAX_ROWS, MAX_POSITIONS = 4, 16
 # A pass over P positions a row costs about 1 + (P-1) * (PER_POSITION + PER_ROW * rows)
 # times one over a position a row, on this CPU (`--pass-cost`).
-PER_POSITION, PER_ROW = 0.1, 0.03
+PER_POSITION, PER_ROW = 0.06, 0.08
 # The share of drafted tokens accepted where drafts are made (`python -m bench speculation`).
 ACCEPTED = 0.75
 

@@ -19,7 +19,7 @@
 #include "vec.h"
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
-#define MAX_ROWS 8
+#define MAX_ROWS 16
 #define MIN_WEIGHTS 65536 /* smaller products stay with the BLAS: no cores to wake */
 
 typedef void (*sgemm)(int, int, int, int, int, int, float, const float *, int,
