@@ -41,19 +41,20 @@ class _Attention(ctypes.Structure):
     ]  # fmt: skip
 
 
-_function: Any = None
+_function: Any = None  # the kernel, once looked for; False: not in this process
 
 
 def _kernel() -> Any:
     global _function
-    if _function is None:
+    if _function is None:  # once: a library is preloaded at start or never
         path = native.loaded()
         if path is None:
-            return None
-        _function = ctypes.CDLL(str(path)).mlxcs_attention
-        _function.argtypes = [ctypes.POINTER(_Attention)]
-        _function.restype = ctypes.c_int
-    return _function
+            _function = False
+        else:
+            _function = ctypes.CDLL(str(path)).mlxcs_attention
+            _function.argtypes = [ctypes.POINTER(_Attention)]
+            _function.restype = ctypes.c_int
+    return _function or None
 
 
 def available() -> bool:

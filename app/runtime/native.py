@@ -77,6 +77,9 @@ def library() -> Path | None:
         problem = "no C compiler (install gcc, or set CC)"
         return None
     target = cache_root() / _key(compiler) / NAME
+    if any(c in str(target) for c in " :"):
+        problem = f"LD_PRELOAD cannot carry the path {target} (a space or colon in it)"
+        return None
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +91,14 @@ def library() -> Path | None:
         problem = f"`{' '.join(cmd)}` failed: {built.stderr.strip()[-500:]}"
         partial.unlink(missing_ok=True)
         return None
-    partial.replace(target)  # atomic: a process starting beside this one sees all or none
+    # Published whole and never replaced: a process starting beside this one that built
+    # it too keeps its own copy, and one that already mapped this file keeps it.
+    try:
+        os.link(partial, target)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
     return target
 
 
@@ -99,6 +109,7 @@ def loaded() -> Path | None:
     except OSError:
         return None
     for line in maps.splitlines():
-        if line.endswith("/" + NAME):
-            return Path(line.split(maxsplit=5)[-1])
+        path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)")  # cache cleared since
+        if path.endswith("/" + NAME):
+            return Path(path)
     return None

@@ -82,16 +82,29 @@ def test_additive_masks_with_heads_and_minus_infinity():
     )
 
 
-def test_a_query_gets_the_same_bits_alone_as_in_a_pass():
+@pytest.mark.parametrize("n_k", [700, 704, 37])
+@pytest.mark.parametrize("as_array", [False, True])
+def test_a_query_gets_the_same_bits_alone_as_in_a_pass(n_k, as_array):
     """Why a draft's pass can equal single steps: query i of a causal pass is the single
-    step at its position, over the keys up to it."""
-    n_q, n_k = 8, 700
+    step at its position, over the keys up to it; also where the mask is an array, as a
+    batch's cache makes it, whose row runs on over the keys masked past the query."""
+    n_q = 8
     q, k, v = operands(1, 9, 3, n_q, n_k, seed=3)
-    together = np.array(ours(q, k, v, "causal"))
+    mask = "causal"
+    if as_array:
+        mask = mx.array(np.arange(n_k - n_q, n_k)[:, None] >= np.arange(n_k)[None, :])
+    together = np.array(ours(q, k, v, mask))
     for i in range(n_q):
         upto = n_k - n_q + i + 1
         alone = ours(q[:, :, i : i + 1], k[:, :, :upto], v[:, :, :upto], None)
         assert np.array_equal(np.array(alone)[:, :, 0], together[:, :, i]), f"query {i}"
+
+
+def test_nan_scores_give_nan_as_mlx_does():
+    q, k, v = operands(1, 2, 1, 1, 40, seed=5)
+    k = mx.where(mx.arange(40)[None, None, :, None] == 3, mx.array(float("nan")), k)
+    assert np.isnan(np.array(ours(q, k, v, None))).all()
+    assert np.isnan(np.array(theirs(q, k, v, None))).all()
 
 
 def test_large_scores_stay_finite():

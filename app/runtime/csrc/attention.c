@@ -14,6 +14,7 @@
    additive (a row masked to -inf everywhere gives zeros). */
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
@@ -62,18 +63,17 @@ static void row(const struct attention *a, int b, int h, int i, float *s) {
         top = x > top ? x : top;
     }
     if (!isfinite(top)) top = 0;
+    /* Every key's weight lands in lane j % LANES, the last lanes padded with zeros: a key
+       gets the same bits and the same place in the sum whether the row ends at it (a
+       single step) or runs on past it masked (a row of a draft's pass). */
+    for (int j = n; j % LANES; j++) s[j] = -INFINITY;
     vec total = {0};
-    int j = 0;
-    for (; j + LANES <= n; j += LANES) {
+    for (int j = 0; j < n; j += LANES) {
         vec e = vexp(*(vec *)(s + j) - top);
         *(vec *)(s + j) = e;
         total += e;
     }
     float sum = vsum(total);
-    for (; j < n; j++) {
-        s[j] = expf(s[j] - top);
-        sum += s[j];
-    }
     float *out = a->out + (((long)b * a->heads + h) * a->queries + i) * a->vdim;
     int d = 0;
     for (; d + LANES <= a->vdim; d += LANES) {
@@ -93,17 +93,28 @@ struct call {
     atomic_int failed;
 };
 
-/* a row's scores, kept per thread from call to call */
+/* a row's scores, kept per thread from call to call and freed when the thread ends */
+struct scores {
+    int held;
+    float s[];
+};
+static pthread_key_t scores_key;
+static pthread_once_t scores_once = PTHREAD_ONCE_INIT;
+
+static void make_scores_key(void) { pthread_key_create(&scores_key, free); }
+
 static float *scratch(int keys) {
-    static __thread float *s;
-    static __thread int held;
-    if (held < keys) {
-        free(s);
-        held = 0;
-        s = malloc(sizeof(float) * keys);
-        if (s) held = keys;
+    pthread_once(&scores_once, make_scores_key);
+    struct scores *held = pthread_getspecific(scores_key);
+    int wanted = (keys + LANES - 1) / LANES * LANES;
+    if (!held || held->held < wanted) {
+        free(held);
+        held = malloc(sizeof(struct scores) + sizeof(float) * wanted);
+        pthread_setspecific(scores_key, held);
+        if (!held) return NULL;
+        held->held = wanted;
     }
-    return s;
+    return held->s;
 }
 
 static void rows(const void *task, int part, int parts) {

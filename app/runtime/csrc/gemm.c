@@ -100,7 +100,8 @@ __attribute__((constructor)) static void find_blas(void) {
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
-    if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && m >= 1 &&
+    /* alpha 0: BLAS does not read A and B; left to it */
+    if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && alpha != 0 && m >= 1 &&
         m <= MAX_ROWS && n >= 1 && k >= 0 && (long)n * k >= MIN_WEIGHTS) {
         struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
         pool_run(multiply, &p);

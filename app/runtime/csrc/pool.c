@@ -33,7 +33,9 @@ static void futex(atomic_int *word, int op, int value) {
 }
 
 static void *work(void *arg) {
-    int part = (int)(long)arg, seen = atomic_load(&generation);
+    /* 0, not the generation when this thread first runs: a task posted before then is
+       still this worker's to run */
+    int part = (int)(long)arg, seen = 0;
     for (;;) {
         for (int spins = 0; atomic_load_explicit(&generation, memory_order_acquire) == seen;) {
             if (++spins < SPINS) {
@@ -80,7 +82,7 @@ void pool_run(pool_task fn, const void *task) {
     current_fn = fn;
     current_task = task;
     atomic_store(&pending, parts - 1);
-    atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+    atomic_fetch_add(&generation, 1); /* sequentially consistent with the sleepers' count */
     if (atomic_load(&sleepers)) futex(&generation, FUTEX_WAKE_PRIVATE, MAX_PARTS);
     fn(task, 0, parts);
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0) relax();

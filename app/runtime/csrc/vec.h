@@ -19,18 +19,16 @@ static inline float vsum(vec v) {
 
 static inline vec vsplat(float x) { return (vec){0} + x; }
 
-static inline vec vmax(vec a, vec b) {
-    ivec take = a > b;
-    return (vec)(((ivec)a & take) | ((ivec)b & ~take));
+/* `bound` where `where`, else x (NaN stays NaN) */
+static inline vec vreplace(vec x, ivec where, float bound) {
+    return (vec)(((ivec)x & ~where) | ((ivec)vsplat(bound) & where));
 }
 
-/* exp(x) to within a few ulp for x in [-87, 88], 0 below: Cephes' expf, range-reduced
-   by powers of two */
+/* exp(x) within 1 ulp of expf for x in [-87, 88]; 0 below, exp(88) above, NaN for NaN:
+   Cephes' expf, range-reduced by powers of two */
 static inline vec vexp(vec x) {
     ivec low = x < -87.0f;
-    x = vmax(x, vsplat(-87.0f));
-    ivec high = x > 88.0f;
-    x = (vec)(((ivec)x & ~high) | ((ivec)vsplat(88.0f) & high));
+    x = vreplace(vreplace(x, low, -87.0f), x > 88.0f, 88.0f);
     vec n = x * 1.44269504088896341f + 12582912.0f; /* round to nearest: 1.5 * 2^23 */
     n -= 12582912.0f;
     vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
