@@ -44,10 +44,10 @@ from ..runtime import cpu_logprobs
 from .gapped_cache import GappedKVCache
 from .sampling import Categorical
 
-# A pass's rows and positions (rows times k+1) at most, past which the pass-cost model
-# below was not measured (`--pass-cost` in bench/speculation.py; bench/README.md,
-# "Speculative decoding").
-MAX_ROWS, MAX_POSITIONS = 4, 16
+# A pass's rows and positions (rows times k+1) at most: as far as the pass-cost model
+# below was measured (`--pass-cost` in bench/speculation.py; bench/README.md, "Decode
+# kernels"), which it overstates past 16 positions, where OpenBLAS takes the products.
+MAX_ROWS, MAX_POSITIONS = 4, 32
 # A pass over P positions a row costs about 1 + (P-1) * (PER_POSITION + PER_ROW * rows)
 # times one over a position a row, on this CPU (`--pass-cost`).
 PER_POSITION, PER_ROW = 0.06, 0.08

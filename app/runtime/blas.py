@@ -79,7 +79,8 @@ def describe() -> tuple[str, bool]:
     if openblas_loaded():
         if native.loaded() is not None:
             return "OpenBLAS (preloaded), a decode step's products on our kernels", True
-        why = native.problem or "not preloaded"
+        # The reason, when this process did not try the build itself (a re-executed child).
+        why = native.problem or (native.library() and "not preloaded") or native.problem
         return f"OpenBLAS (preloaded); our decode kernels are off ({why})", True
     return (
         "the reference BLAS bundled with mlx-cpu (slow; apt-get install libopenblas0-pthread)",

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 
 import mlx.core as mx
@@ -168,3 +171,23 @@ def test_two_threads_multiply_at_once():
 def test_describe_names_the_kernels():
     text, fast = blas.describe()
     assert fast and "our kernels" in text
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"MLX_CACHE_SERVER_KERNEL_THREADS": "1"}, 1),
+        ({"OPENBLAS_NUM_THREADS": "1"}, 1),  # ranks sharing a machine share its cores
+        ({"MLX_CACHE_SERVER_KERNEL_THREADS": "2", "OPENBLAS_NUM_THREADS": "1"}, 2),
+        ({}, min(len(os.sched_getaffinity(0)), 8)),
+    ],
+)
+def test_how_many_cores_the_kernels_use(env, expected):
+    base = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "LD_PRELOAD")}
+    base.pop("MLX_CACHE_SERVER_KERNEL_THREADS", None)
+    code = f"import ctypes; print(ctypes.CDLL({str(native.loaded())!r}).pool_parts())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=base | env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == expected

@@ -60,7 +60,10 @@ static void forked(void) { parts = 1; }
 __attribute__((constructor)) static void start(void) {
     cpu_set_t cpus;
     int n = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+    /* as many as asked for, else as many as OpenBLAS is given (ranks sharing a machine
+       each get a share of its cores), else every core this process may run on */
     const char *wanted = getenv("MLX_CACHE_SERVER_KERNEL_THREADS");
+    if (!wanted || atoi(wanted) < 1) wanted = getenv("OPENBLAS_NUM_THREADS");
     if (wanted && atoi(wanted) > 0) n = atoi(wanted);
     n = n < 1 ? 1 : n > MAX_PARTS ? MAX_PARTS : n;
     pthread_atfork(NULL, NULL, forked);
