@@ -85,8 +85,6 @@ def build_engine(
         speculation=(speculate := speculation_pays(settings)),
         draft=load_draft(settings, tokenizer) if settings.draft_model and speculate else None,
     )
-    if mx.default_device() == mx.cpu:
-        log.info("%s: CPU matmuls on %s", model_id, describe_blas()[0])
     if cache is not None:
         log.info("prompt cache for %s: %s", model_id, _mode_in_words(engine))
     if cache is not None and cache.disk is not None and engine.cache_mode != "prefix":
