@@ -2,9 +2,10 @@
 
 A decode step, a batch of them, or a draft's pass: up to `MAX_QUERIES` queries a
 sequence. MLX's CPU kernel computes `exp` one element at a time and each query's scores
-in turn, so a draft's pass of 8 positions cost 8 steps' attention; the kernel computes
-each query row on its own (the same bits in a pass as in a single step), its `exp`
-vectorized, its rows spread over the cores. The operands are the MLX arrays' own
+in turn, so a draft's pass of 8 positions cost 8 steps' attention; the kernel takes the
+query rows of a key head together over blocks of its keys, a row's arithmetic the same
+whatever rows it is computed with (the same bits in a pass as in a single step), its
+`exp` vectorized, the heads spread over the cores. The operands are the MLX arrays' own
 buffers, read in place (numpy views of them carry the strides); only the small output
 is copied back.
 

@@ -100,6 +100,25 @@ def test_a_query_gets_the_same_bits_alone_as_in_a_pass(n_k, as_array):
         assert np.array_equal(np.array(alone)[:, :, 0], together[:, :, i]), f"query {i}"
 
 
+def test_a_sequence_gets_the_same_bits_alone_as_in_a_batch():
+    """Rows are computed by key head in units of several rows: which rows share a unit
+    (other sequences', a pass's other positions) does not change a row's bits."""
+    q, k, v = operands(3, 9, 3, 5, 260, seed=4)
+    mask = mx.array(np.random.default_rng(4).random((3, 1, 5, 260)) > 0.2)
+    together = np.array(ours(q, k, v, mask))
+    for s in range(3):
+        alone = ours(q[s : s + 1], k[s : s + 1], v[s : s + 1], mask[s : s + 1])
+        assert np.array_equal(np.array(alone)[0], together[s]), f"sequence {s}"
+        for i in range(5):
+            one = ours(
+                q[s : s + 1, :, i : i + 1],
+                k[s : s + 1],
+                v[s : s + 1],
+                mask[s : s + 1, :, i : i + 1],
+            )
+            assert np.array_equal(np.array(one)[0, :, 0], together[s, :, i]), (s, i)
+
+
 def test_nan_scores_give_nan_as_mlx_does():
     q, k, v = operands(1, 2, 1, 1, 40, seed=5)
     k = mx.where(mx.arange(40)[None, None, :, None] == 3, mx.array(float("nan")), k)

@@ -3,10 +3,11 @@
 
    MLX's CPU attention computes exp one element at a time and, for several queries, makes
    the scores of each in turn; a draft's pass of 8 positions cost 8 single steps'
-   attention. Here each query row is computed alone, on whichever core takes it: its
-   scores against its key head, a vectorized exp, then the weighted sum of the values. A
-   row's result depends only on its own query, keys, values and mask, so a row gets the
-   same bits in a pass of several positions as in a single step.
+   attention. Here the query rows that share a key head go past its keys together, a block
+   at a time (`unit`), spread over the cores by head; each row's scores, a vectorized exp,
+   then the weighted sum of the values. A row's result depends only on its own query, keys,
+   values and mask, so a row gets the same bits in a pass of several positions as in a
+   single step.
 
    Masks as MLX takes them: none, causal (query i of n is position keys - n + i), or an
    array broadcast to (batch, heads, queries, keys), boolean (true: may attend; a masked
@@ -23,6 +24,8 @@
 
 enum { NO_MASK = 0, CAUSAL = 1, BOOL_MASK = 2, ADDITIVE_MASK = 3 };
 #define MAX_KEYS (1 << 20)
+#define KEY_BLOCK 64 /* keys (and values) a block of rows goes past while they are in L1 */
+#define ROW_CHUNK 8  /* rows of a unit: their scores are held at once */
 
 /* Strides in elements; the last dimension (dim, vdim, keys) is contiguous except the
    mask's, whose strides are all given (0 where it broadcasts). */
@@ -36,55 +39,187 @@ struct attention {
     float *out; /* (batch, heads, queries, vdim), contiguous */
 };
 
-static float dot(const float *a, const float *b, int n) {
-    vec acc = {0};
-    int i = 0;
-    for (; i + LANES <= n; i += LANES) acc += *(const vec *)(a + i) * *(const vec *)(b + i);
-    float s = vsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+/* Lanes h..2h-1 of each 2h-lane chunk of a and b exchanged: one step of transposing 16
+   rows of 16 lanes, whose four steps (h = 8, 4, 2, 1) leave row d holding lane d of
+   every input row. */
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define EXCHANGE(H)                                                                  \
+    for (int i = 0; i < LANES; i++)                                                  \
+        if (!(i & H)) {                                                              \
+            vec a = r[i], b = r[i + H];                                              \
+            r[i] = __builtin_shufflevector(a, b, LO##H);                             \
+            r[i + H] = __builtin_shufflevector(a, b, HI##H);                         \
+        }
+
+/* Keys j0.. (`count` of them, at most LANES) with the head size across and the keys
+   down: kt[d] holds lane l = key j0 + l's element d, zero past `count`. */
+static void transpose_keys(const float *k, long stride, int count, int dim, vec *kt) {
+    int whole = dim / LANES * LANES;
+    for (int d0 = 0; d0 < whole; d0 += LANES) {
+        vec r[LANES];
+        for (int l = 0; l < LANES; l++)
+            r[l] = l < count ? *(const vec *)(k + l * stride + d0) : (vec){0};
+        EXCHANGE(8) EXCHANGE(4) EXCHANGE(2) EXCHANGE(1)
+        for (int d = 0; d < LANES; d++) kt[d0 + d] = r[d];
+    }
+    for (int d = whole; d < dim; d++) {
+        vec column = {0};
+        for (int l = 0; l < count; l++) column[l] = k[l * stride + d];
+        kt[d] = column;
+    }
 }
 
-static void row(const struct attention *a, int b, int h, int i, float *s) {
-    int kvh = h / (a->heads / a->kv_heads);
-    const float *q = a->q + b * a->q_stride[0] + h * a->q_stride[1] + i * a->q_stride[2];
-    const float *k = a->k + b * a->k_stride[0] + kvh * a->k_stride[1];
-    const float *v = a->v + b * a->v_stride[0] + kvh * a->v_stride[1];
-    int n = a->mask_kind == CAUSAL ? a->keys - a->queries + i + 1 : a->keys;
-    const char *m = (const char *)a->mask;
-    long mrow = b * a->mask_stride[0] + h * a->mask_stride[1] + i * a->mask_stride[2];
-    float top = -INFINITY;
-    for (int j = 0; j < n; j++) {
-        float x = dot(q, k + j * a->k_stride[2], a->dim) * a->scale;
-        long at = mrow + j * a->mask_stride[3];
-        if (a->mask_kind == BOOL_MASK && !((const unsigned char *)m)[at]) x = -FLT_MAX;
-        if (a->mask_kind == ADDITIVE_MASK) x += ((const float *)m)[at];
-        s[j] = x;
-        top = x > top ? x : top;
-    }
-    if (!isfinite(top)) top = 0;
-    /* Every key's weight lands in lane j % LANES, the last lanes padded with zeros: a key
-       gets the same bits and the same place in the sum whether the row ends at it (a
-       single step) or runs on past it masked (a row of a draft's pass). */
-    for (int j = n; j % LANES; j++) s[j] = -INFINITY;
-    vec total = {0};
-    for (int j = 0; j < n; j += LANES) {
-        vec e = vexp(*(vec *)(s + j) - top);
-        *(vec *)(s + j) = e;
-        total += e;
-    }
-    float sum = vsum(total);
-    float *out = a->out + (((long)b * a->heads + h) * a->queries + i) * a->vdim;
+/* A query row of a unit: where its query, mask and output are, how many keys it sees */
+struct row {
+    const float *q;
+    float *out, *s;
+    long mask_at;
+    int n;
+    vec top; /* by lane */
+    float sum;
+};
+
+/* Rows' dots with a transposed block of keys, each summed over d in two running sums
+   (even and odd d) */
+static inline __attribute__((always_inline)) void block_dots(const struct row *rows,
+                                                             const vec *kt, int dim, vec *dots,
+                                                             const int group) {
+    vec even[4] = {{0}}, odd[4] = {{0}};
     int d = 0;
-    for (; d + LANES <= a->vdim; d += LANES) {
-        vec acc = {0};
-        for (int t = 0; t < n; t++) acc += s[t] * *(const vec *)(v + t * a->v_stride[2] + d);
-        *(vec *)(out + d) = acc / (sum == 0 ? 1 : sum);
+    for (; d + 2 <= dim; d += 2)
+        for (int g = 0; g < group; g++) {
+            even[g] += rows[g].q[d] * kt[d];
+            odd[g] += rows[g].q[d + 1] * kt[d + 1];
+        }
+    if (d < dim)
+        for (int g = 0; g < group; g++) even[g] += rows[g].q[d] * kt[d];
+    for (int g = 0; g < group; g++) dots[g] = even[g] + odd[g];
+}
+
+static int keys_seen(const struct attention *a, int i) {
+    return a->mask_kind == CAUSAL ? a->keys - a->queries + i + 1 : a->keys;
+}
+
+/* Rows `first`.. of one sequence's key head `g`, `count` of them (query heads of the group,
+   then positions): every row reads the same keys and values, so they go past a block of
+   keys together while it is in L1 rather than each row reading the whole head from
+   memory. A row's arithmetic is the same whatever rows and keys it is computed with: a
+   score is summed over d in the same order (`block_dots`), its weight is one exp in lane
+   j % LANES, each output a sum over keys in key order. */
+static void unit(const struct attention *a, int b, int g, int first, int count, float *scores,
+                 int stride, vec *kt) {
+    int per = a->heads / a->kv_heads;
+    const float *k = a->k + b * a->k_stride[0] + g * a->k_stride[1];
+    const float *v = a->v + b * a->v_stride[0] + g * a->v_stride[1];
+    const unsigned char *bools = a->mask;
+    const float *adds = a->mask;
+    struct row rows[ROW_CHUNK];
+    int most = 0;
+    for (int r = 0; r < count; r++) {
+        int h = g * per + (first + r) / a->queries, i = (first + r) % a->queries;
+        rows[r] = (struct row){
+            .q = a->q + b * a->q_stride[0] + h * a->q_stride[1] + i * a->q_stride[2],
+            .out = a->out + (((long)b * a->heads + h) * a->queries + i) * a->vdim,
+            .s = scores + (long)r * stride,
+            .mask_at = b * a->mask_stride[0] + h * a->mask_stride[1] + i * a->mask_stride[2],
+            .n = keys_seen(a, i),
+            .top = vsplat(-INFINITY),
+        };
+        most = rows[r].n > most ? rows[r].n : most;
     }
-    for (; d < a->vdim; d++) {
-        float acc = 0;
-        for (int t = 0; t < n; t++) acc += s[t] * v[t * a->v_stride[2] + d];
-        out[d] = acc / (sum == 0 ? 1 : sum);
+    /* Scores a block of LANES keys at a time, the block transposed so that a row's
+       scores of the block are one vector (`block_dots`). */
+    for (int j0 = 0; j0 < most; j0 += LANES) {
+        int block = most - j0 < LANES ? most - j0 : LANES;
+        transpose_keys(k + (long)j0 * a->k_stride[2], a->k_stride[2], block, a->dim, kt);
+        for (int r0 = 0; r0 < count; r0 += 4) {
+            int group = count - r0 < 4 ? count - r0 : 4;
+            vec dots[4];
+            switch (group) { /* a constant count: the sums stay in registers */
+            case 1: block_dots(rows + r0, kt, a->dim, dots, 1); break;
+            case 2: block_dots(rows + r0, kt, a->dim, dots, 2); break;
+            case 3: block_dots(rows + r0, kt, a->dim, dots, 3); break;
+            default: block_dots(rows + r0, kt, a->dim, dots, 4);
+            }
+            for (int g = 0; g < group; g++) {
+                struct row *r = &rows[r0 + g];
+                if (j0 >= r->n) continue;
+                vec x = dots[g] * a->scale;
+                if (j0 + LANES > r->n || a->mask_kind == BOOL_MASK ||
+                    a->mask_kind == ADDITIVE_MASK) {
+                    long at = r->mask_at + j0 * a->mask_stride[3];
+                    for (int l = 0; l < LANES; l++) {
+                        long m = at + l * a->mask_stride[3];
+                        if (j0 + l >= r->n) x[l] = -INFINITY;
+                        else if (a->mask_kind == BOOL_MASK && !bools[m]) x[l] = -FLT_MAX;
+                        else if (a->mask_kind == ADDITIVE_MASK) x[l] += adds[m];
+                    }
+                }
+                *(vec *)(r->s + j0) = x;
+                ivec higher = x > r->top; /* NaN scores are passed over, as in MLX */
+                r->top = (vec)(((ivec)x & higher) | ((ivec)r->top & ~higher));
+            }
+        }
+    }
+    for (struct row *r = rows; r < rows + count; r++) {
+        float top = -INFINITY;
+        for (int l = 0; l < LANES; l++) top = r->top[l] > top ? r->top[l] : top;
+        top = isfinite(top) ? top : 0;
+        /* Every key's weight lands in lane j % LANES, the last lanes padded with zeros: a
+           key gets the same bits and the same place in the sum whether the row ends at it
+           (a single step) or runs on past it masked (a row of a draft's pass). */
+        for (int j = r->n; j % LANES; j++) r->s[j] = -INFINITY;
+        vec total = {0};
+        for (int j = 0; j < r->n; j += LANES) {
+            vec e = vexp(*(vec *)(r->s + j) - top);
+            *(vec *)(r->s + j) = e;
+            total += e;
+        }
+        r->sum = vsum(total);
+        for (int d = 0; d < a->vdim; d++) r->out[d] = 0;
+    }
+    /* each output a running sum kept in the output between blocks: the same additions in
+       the same order as one loop over every key */
+    int whole = a->vdim / LANES * LANES;
+    for (int t0 = 0; t0 < most; t0 += KEY_BLOCK)
+        for (struct row *r = rows; r < rows + count; r++) {
+            int end = t0 + KEY_BLOCK < r->n ? t0 + KEY_BLOCK : r->n;
+            int d = 0;
+            /* four sums at once: each is a chain of dependent additions */
+            for (; d + 4 * LANES <= whole; d += 4 * LANES) {
+                vec *o = (vec *)(r->out + d);
+                vec acc0 = o[0], acc1 = o[1], acc2 = o[2], acc3 = o[3];
+                for (int t = t0; t < end; t++) {
+                    const vec *x = (const vec *)(v + t * a->v_stride[2] + d);
+                    float w = r->s[t];
+                    acc0 += w * x[0], acc1 += w * x[1], acc2 += w * x[2], acc3 += w * x[3];
+                }
+                o[0] = acc0, o[1] = acc1, o[2] = acc2, o[3] = acc3;
+            }
+            for (; d < whole; d += LANES) {
+                vec acc = *(vec *)(r->out + d);
+                for (int t = t0; t < end; t++)
+                    acc += r->s[t] * *(const vec *)(v + t * a->v_stride[2] + d);
+                *(vec *)(r->out + d) = acc;
+            }
+            for (int d = whole; d < a->vdim; d++) {
+                float acc = r->out[d];
+                for (int t = t0; t < end; t++) acc += r->s[t] * v[t * a->v_stride[2] + d];
+                r->out[d] = acc;
+            }
+        }
+    for (struct row *r = rows; r < rows + count; r++) {
+        float sum = r->sum == 0 ? 1 : r->sum;
+        int d = 0;
+        for (; d < whole; d += LANES) *(vec *)(r->out + d) = *(vec *)(r->out + d) / sum;
+        for (; d < a->vdim; d++) r->out[d] = r->out[d] / sum;
     }
 }
 
@@ -93,9 +228,9 @@ struct call {
     atomic_int failed;
 };
 
-/* a row's scores, kept per thread from call to call and freed when the thread ends */
+/* rows' scores, kept per thread from call to call and freed when the thread ends */
 struct scores {
-    int held;
+    long held;
     float s[];
 };
 static pthread_key_t scores_key;
@@ -103,10 +238,9 @@ static pthread_once_t scores_once = PTHREAD_ONCE_INIT;
 
 static void make_scores_key(void) { pthread_key_create(&scores_key, free); }
 
-static float *scratch(int keys) {
+static float *scratch(long wanted) {
     pthread_once(&scores_once, make_scores_key);
     struct scores *held = pthread_getspecific(scores_key);
-    int wanted = (keys + LANES - 1) / LANES * LANES;
     if (!held || held->held < wanted) {
         free(held);
         held = malloc(sizeof(struct scores) + sizeof(float) * wanted);
@@ -117,19 +251,28 @@ static float *scratch(int keys) {
     return held->s;
 }
 
-static void rows(const void *task, int part, int parts) {
+/* The units of a call: each sequence's key heads, their rows cut into chunks */
+static void units(const void *task, int part, int parts) {
     struct call *call = (struct call *)task;
     const struct attention *a = call->a;
-    int total = a->batch * a->heads * a->queries;
+    int group = a->heads / a->kv_heads * a->queries;
+    int chunks = (group + ROW_CHUNK - 1) / ROW_CHUNK;
+    int total = a->batch * a->kv_heads * chunks;
     int share = (total + parts - 1) / parts;
     int end = (part + 1) * share < total ? (part + 1) * share : total;
-    float *s = scratch(a->keys);
-    if (!s) {
+    int stride = (a->keys + LANES - 1) / LANES * LANES;
+    /* the rows' scores, then a block of keys transposed */
+    long held = (long)ROW_CHUNK * stride;
+    float *s = part * share < end ? scratch(held + (long)a->dim * LANES) : NULL;
+    if (part * share < end && !s) {
         atomic_store(&call->failed, 1);
         return;
     }
-    for (int r = part * share; r < end; r++)
-        row(a, r / (a->heads * a->queries), r / a->queries % a->heads, r % a->queries, s);
+    for (int u = part * share; u < end; u++) {
+        int c = u % chunks, g = u / chunks % a->kv_heads, b = u / chunks / a->kv_heads;
+        int first = c * ROW_CHUNK, count = group - first < ROW_CHUNK ? group - first : ROW_CHUNK;
+        unit(a, b, g, first, count, s, stride, (vec *)(s + held));
+    }
 }
 
 /* 0, or -1 where this does not compute it (the caller takes MLX's path): shapes it does
@@ -139,6 +282,6 @@ int mlxcs_attention(const struct attention *a) {
         a->queries < 1 || a->queries > a->keys || a->mask_kind < 0 || a->mask_kind > 3)
         return -1;
     struct call call = {a, 0};
-    pool_run(rows, &call);
+    pool_run(units, &call);
     return atomic_load(&call.failed) ? -1 : 0;
 }
