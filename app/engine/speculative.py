@@ -50,7 +50,7 @@ from .sampling import Categorical
 MAX_ROWS, MAX_POSITIONS = 4, 32
 # A pass over P positions a row costs about 1 + (P-1) * (PER_POSITION + PER_ROW * rows)
 # times one over a position a row, on this CPU (`--pass-cost`).
-PER_POSITION, PER_ROW = 0.06, 0.08
+PER_POSITION, PER_ROW = 0.10, 0.03
 # The share of drafted tokens accepted where drafts are made (`python -m bench speculation`).
 ACCEPTED = 0.75
 
@@ -64,7 +64,7 @@ def draft_length(lengths: list[int]) -> int:
     """How many drafted tokens a step of streams with drafts this long (0: none) verifies,
     each stream's draft cut to it: the length whose expected tokens for what its pass costs
     beat a plain step's most; 0 for a plain step. A stream alone drafts all it has; one
-    drafting stream among four costs the others more than it gains."""
+    drafting stream among four costs the others more than it gains, two do not."""
     rows = len(lengths)
     best, best_rate = 0, float(rows)
     for k in range(1, min(max(lengths, default=0), longest_draft(rows)) + 1):

@@ -64,8 +64,8 @@ def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
     assert draft_length([0]) == draft_length([0, 0]) == 0
     assert draft_length([3, 3, 3, 3]) == 3
     assert draft_length([5, 0]) == 5  # one of two streams drafting pays for the other's row
-    # One or two of four do not: the rows of positions they fill but never keep cost more.
-    assert draft_length([3, 0, 0, 0]) == draft_length([3, 3, 0, 0]) == 0
-    assert draft_length([3, 3, 3, 0]) == 3
+    # One of four does not: the rows of positions it fills but never keeps cost more.
+    assert draft_length([3, 0, 0, 0]) == draft_length([8, 0, 0, 0]) == 0
+    assert draft_length([3, 3, 0, 0]) == draft_length([3, 3, 3, 0]) == 3
     assert draft_length([1, 7]) == 7  # as long as the longer draft, no longer
     assert draft_length([1, 40]) == longest_draft(2)
