@@ -1,5 +1,7 @@
 /* The workers spin a little after a part, since a decode step's next product follows
-   within microseconds, then sleep on a futex so that an idle server costs nothing. */
+   within microseconds, then sleep on a futex so that an idle server costs nothing. While
+   a product runs on the BLAS's own threads they sleep at once: spinning beside those
+   threads on a machine with few cores slowed them. */
 #define _GNU_SOURCE
 #include "pool.h"
 
@@ -27,6 +29,7 @@ static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER;
 static pool_task current_fn;
 static const void *current_task;
 static atomic_int generation, pending, sleepers;
+static atomic_int quiet; /* calls into another library's threads under way: no spinning */
 
 static void futex(atomic_int *word, int op, int value) {
     syscall(SYS_futex, word, op, value, NULL, NULL, 0);
@@ -38,7 +41,7 @@ static void *work(void *arg) {
     int part = (int)(long)arg, seen = 0;
     for (;;) {
         for (int spins = 0; atomic_load_explicit(&generation, memory_order_acquire) == seen;) {
-            if (++spins < SPINS) {
+            if (++spins < SPINS && !atomic_load_explicit(&quiet, memory_order_relaxed)) {
                 relax();
                 continue;
             }
@@ -91,3 +94,9 @@ void pool_run(pool_task fn, const void *task) {
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0) relax();
     pthread_mutex_unlock(&busy);
 }
+
+void pool_quiet(int begins) {
+    atomic_fetch_add_explicit(&quiet, begins ? 1 : -1, memory_order_relaxed);
+}
+
+int mlxcs_pool_quiet(void) { return atomic_load(&quiet); }

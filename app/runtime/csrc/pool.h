@@ -10,3 +10,8 @@ void pool_run(pool_task fn, const void *task);
 
 /* How many parts a task is cut into: the cores this process may run on, at most 8. */
 int pool_parts(void);
+
+/* Around a call that runs on another library's threads (the BLAS's): pool_quiet(1) before,
+   pool_quiet(0) after. While any is under way, idle workers sleep at once instead of
+   spinning on the cores those threads need. */
+void pool_quiet(int begins);
