@@ -107,23 +107,23 @@ static int keys_seen(const struct attention *a, int i) {
     return a->mask_kind == CAUSAL ? a->keys - a->queries + i + 1 : a->keys;
 }
 
-/* Rows `first`.. of one sequence's key head `g`, `count` of them (query heads of the group,
+/* Rows `first`.. of one sequence's key head `head`, `count` of them (query heads of the group,
    then positions): every row reads the same keys and values, so they go past a block of
    keys together while it is in L1 rather than each row reading the whole head from
    memory. A row's arithmetic is the same whatever rows and keys it is computed with: a
    score is summed over d in the same order (`block_dots`), its weight is one exp in lane
    j % LANES, each output a sum over keys in key order. */
-static void unit(const struct attention *a, int b, int g, int first, int count, float *scores,
-                 int stride, vec *kt) {
+static void unit(const struct attention *a, int b, int head, int first, int count,
+                 float *scores, int stride, vec *kt) {
     int per = a->heads / a->kv_heads;
-    const float *k = a->k + b * a->k_stride[0] + g * a->k_stride[1];
-    const float *v = a->v + b * a->v_stride[0] + g * a->v_stride[1];
+    const float *k = a->k + b * a->k_stride[0] + head * a->k_stride[1];
+    const float *v = a->v + b * a->v_stride[0] + head * a->v_stride[1];
     const unsigned char *bools = a->mask;
     const float *adds = a->mask;
     struct row rows[ROW_CHUNK];
     int most = 0;
     for (int r = 0; r < count; r++) {
-        int h = g * per + (first + r) / a->queries, i = (first + r) % a->queries;
+        int h = head * per + (first + r) / a->queries, i = (first + r) % a->queries;
         rows[r] = (struct row){
             .q = a->q + b * a->q_stride[0] + h * a->q_stride[1] + i * a->q_stride[2],
             .out = a->out + (((long)b * a->heads + h) * a->queries + i) * a->vdim,
@@ -269,9 +269,9 @@ static void units(const void *task, int part, int parts) {
         return;
     }
     for (int u = part * share; u < end; u++) {
-        int c = u % chunks, g = u / chunks % a->kv_heads, b = u / chunks / a->kv_heads;
+        int c = u % chunks, head = u / chunks % a->kv_heads, b = u / chunks / a->kv_heads;
         int first = c * ROW_CHUNK, count = group - first < ROW_CHUNK ? group - first : ROW_CHUNK;
-        unit(a, b, g, first, count, s, stride, (vec *)(s + held));
+        unit(a, b, head, first, count, s, stride, (vec *)(s + held));
     }
 }
 
