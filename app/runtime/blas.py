@@ -79,8 +79,8 @@ def describe() -> tuple[str, bool]:
     if openblas_loaded():
         if native.loaded() is not None:
             return "OpenBLAS (preloaded), a decode step's products on our kernels", True
-        # The reason, when this process did not try the build itself (a re-executed child).
-        why = native.problem or (native.library() and "not preloaded") or native.problem
+        # A re-executed child did not try the build itself: trying it finds the reason.
+        why = native.problem or ("not preloaded" if native.library() else native.problem)
         return f"OpenBLAS (preloaded); our decode kernels are off ({why})", True
     return (
         "the reference BLAS bundled with mlx-cpu (slow; apt-get install libopenblas0-pthread)",

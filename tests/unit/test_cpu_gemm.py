@@ -185,8 +185,8 @@ def test_describe_names_the_kernels():
     ],
 )
 def test_how_many_cores_the_kernels_use(env, expected):
-    base = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "LD_PRELOAD")}
-    base.pop("MLX_CACHE_SERVER_KERNEL_THREADS", None)
+    unset = ("OPENBLAS_NUM_THREADS", "MLX_CACHE_SERVER_KERNEL_THREADS", "LD_PRELOAD")
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     code = f"import ctypes; print(ctypes.CDLL({str(native.loaded())!r}).pool_parts())"
     out = subprocess.run(
         [sys.executable, "-c", code], env=base | env, capture_output=True, text=True, timeout=60

@@ -163,8 +163,7 @@ static void unit(const struct attention *a, int b, int head, int first, int coun
                     }
                 }
                 *(vec *)(r->s + j0) = x;
-                ivec higher = x > r->top; /* NaN scores are passed over, as in MLX */
-                r->top = (vec)(((ivec)x & higher) | ((ivec)r->top & ~higher));
+                r->top = vselect(x > r->top, x, r->top); /* NaN passed over, as in MLX */
             }
         }
     }

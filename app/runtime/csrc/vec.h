@@ -19,9 +19,14 @@ static inline float vsum(vec v) {
 
 static inline vec vsplat(float x) { return (vec){0} + x; }
 
+/* a where `where`, else b, lane by lane */
+static inline vec vselect(ivec where, vec a, vec b) {
+    return (vec)(((ivec)a & where) | ((ivec)b & ~where));
+}
+
 /* `bound` where `where`, else x (NaN stays NaN) */
 static inline vec vreplace(vec x, ivec where, float bound) {
-    return (vec)(((ivec)x & ~where) | ((ivec)vsplat(bound) & where));
+    return vselect(where, vsplat(bound), x);
 }
 
 /* exp(x) within 1 ulp of expf for x in [-87, 88]; 0 below, exp(88) above, NaN for NaN:
