@@ -18,7 +18,14 @@ from ..engine.sharded import FollowerSteps, LeaderSteps, rank_bytes
 from ..engine.solo import check_quantized
 from ..models.fingerprint import kv_fingerprint
 from ..models.specs import model_id as model_id_of
-from ..runtime import cpu_activations, cpu_attention, cpu_fast_path, cpu_logprobs
+from ..runtime import (
+    cpu_activations,
+    cpu_attention,
+    cpu_fast_path,
+    cpu_logprobs,
+    kernel_layers,
+    native,
+)
 from ..runtime.blas import describe as describe_blas
 from ..serving.defaults import generation_config, model_folder
 from ..settings import Settings
@@ -41,9 +48,12 @@ def build_engine(
         model, tokenizer = load_shard(model_path, group, settings.pipeline)
     fast = settings.cpu_fast_path
     cpu_attention.enabled = cpu_activations.enabled = cpu_logprobs.enabled = fast
+    kernel_layers.enabled = fast
     if fast and mx.default_device() == mx.cpu:
         if not cpu_fast_path.install(model):
             log.warning("this model's attention cannot take the CPU fast path: MLX's is used")
+        if native.layers() is None:
+            log.warning("RoPE and RMSNorm run as MLX's small ops: %s", native.layers_problem)
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or context_length_of(model)

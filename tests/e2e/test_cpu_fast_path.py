@@ -1,7 +1,7 @@
 """With the CPU fast path (attention's softmax, the MLP's SwiGLU and the logits'
-normalization through numpy, a few queries' attention on our kernel, on by default on
-the CPU), greedy output with the cache equals output without it, through the `openai`
-SDK."""
+normalization through numpy, a few queries' attention on our kernel, RoPE and RMSNorm on
+our primitives, on by default on the CPU), greedy output with the cache equals output
+without it, through the `openai` SDK."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from app.runtime import cpu_activations, cpu_attention, cpu_logprobs, kernel_attention
+from app.runtime import cpu_activations, cpu_attention, cpu_logprobs, kernel_attention, native
 from tests.live import serving
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-only path")
@@ -28,6 +28,13 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
         return real_kernel(*args)
 
     monkeypatch.setattr(kernel_attention, "attention", counting_kernel)
+    layers, primitives = native.layers(), []
+    if layers is not None:  # the servers' models take the primitives from this
+        counted = type("Counted", (), {})()
+        for name in ("rope", "rms_norm", "inv_freq"):
+            real_op = getattr(layers, name)
+            setattr(counted, name, lambda *a, op=real_op, n=name: primitives.append(n) or op(*a))
+        monkeypatch.setattr(native, "_layers", counted)
 
     monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)  # every call, decode steps too
     monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
@@ -73,5 +80,7 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
         assert any(shape[2] == 1 for shape in kernel)
     else:
         assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
+    if layers is not None:
+        assert {"rope", "rms_norm"} <= set(primitives)
     assert taken and all(taken)  # every SwiGLU through numpy
     assert len(normalized) >= generated and all(normalized)  # each token's, through numpy

@@ -1,0 +1,89 @@
+"""RoPE and RMSNorm on MLX's CPU device as one op each (`csrc/layers.cpp`).
+
+On the CPU, `mx.fast.rope` and `mx.fast.rms_norm` have no kernel: each call builds MLX's
+fallback, some twenty small ops for RoPE and six for RMSNorm, and a decode step of a
+small model was mostly those ops' graph nodes, allocations and tasks (bench/README.md,
+"Decode kernels"). The primitives compute the fallback's arithmetic in its order, so
+their results are the same bits: nothing about a model's output changes but its speed.
+
+`install` swaps a model's `nn.RoPE` and `nn.RMSNorm` modules (those exact classes, not
+a model's own variants) for subclasses that call the primitives on float32 input and
+go to MLX's own function for anything else. Needs the extension module `native.layers()`
+builds; without it, nothing is swapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import native
+
+enabled = True  # off: the swapped modules call MLX's functions, as before
+
+
+class RoPE(nn.RoPE):
+    """`nn.RoPE`, one op on float32 (batch, heads, positions, size) input."""
+
+    def __init__(self, original: nn.RoPE, ops: Any) -> None:
+        super().__init__(original.dims, original.traditional, original.base, original.scale)
+        self._ops = ops
+        self._inv_freq = ops.inv_freq(self.dims, self.base)
+        mx.eval(self._inv_freq)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if not enabled or x.dtype != mx.float32 or x.ndim != 4:
+            return super().__call__(x, offset)
+        if isinstance(offset, mx.array):
+            if offset.size not in (1, x.shape[0]) or offset.ndim > 1:
+                return super().__call__(x, offset)  # MLX's error
+            first = offset.reshape(-1).astype(mx.int32)
+        else:
+            first = mx.array([offset], mx.int32)
+        return self._ops.rope(x, first, self._inv_freq, self.dims, self.traditional, self.scale)
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm`, one op on float32 input and weight."""
+
+    def __init__(self, original: nn.RMSNorm, ops: Any) -> None:
+        super().__init__(original.weight.shape[0], original.eps)
+        self.weight = original.weight
+        self._ops = ops
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not enabled or x.dtype != mx.float32 or self.weight.dtype != mx.float32:
+            return super().__call__(x)
+        return self._ops.rms_norm(x, self.weight, self.eps)
+
+
+def _swapped(value: Any, ops: Any) -> Any:
+    if type(value) is nn.RoPE:
+        return RoPE(value, ops)
+    if type(value) is nn.RMSNorm:
+        return RMSNorm(value, ops)
+    return None
+
+
+def install(model: Any) -> int:
+    """Swap `model`'s RoPE and RMSNorm modules for ours; how many were swapped (0 where
+    the extension cannot be built: `native.layers_problem`)."""
+    ops = native.layers()
+    if ops is None:
+        return 0
+    swapped = 0
+    for module in [model, *model.modules()]:
+        for key, value in list(module.items()):
+            children = value if isinstance(value, list) else [value]
+            for i, child in enumerate(children):
+                ours = _swapped(child, ops)
+                if ours is None:
+                    continue
+                if children is value:
+                    value[i] = ours
+                else:
+                    module[key] = ours
+                swapped += 1
+    return swapped
