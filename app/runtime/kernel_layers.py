@@ -37,7 +37,11 @@ class RoPE(nn.RoPE):
         if not enabled or x.dtype != mx.float32 or x.ndim != 4:
             return super().__call__(x, offset)
         if isinstance(offset, mx.array):
-            if offset.size not in (1, x.shape[0]) or offset.ndim > 1:
+            if (
+                offset.ndim > 1
+                or offset.size not in (1, x.shape[0])
+                or not mx.issubdtype(offset.dtype, mx.integer)
+            ):
                 return super().__call__(x, offset)  # MLX's error
             first = offset.reshape(-1).astype(mx.int32)
         else:

@@ -84,6 +84,8 @@ def test_other_dtypes_and_shapes_go_to_mlx():
     assert same_bits(rope(three, offset=1), nn.RoPE(32)(three, offset=1))
     with pytest.raises(ValueError):  # an offset per row of another batch: MLX's error
         rope(mx.random.normal((2, 1, 3, 32)), offset=mx.array([1, 2, 3]))
+    with pytest.raises(ValueError):  # not an integer: MLX's error, not a truncation
+        rope(mx.random.normal((2, 1, 3, 32)), offset=mx.array([1.5, 2.0]))
 
 
 @built
