@@ -51,8 +51,18 @@ def _csrc() -> Path:
     return Path(__file__).parent / "csrc"
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+def _compiler(variable: str, default: str, fallback: str) -> str | None:
+    """The compiler `variable` names (`CC`, `CXX`), else `default`, else `fallback`."""
+    return shutil.which(os.environ.get(variable, default)) or shutil.which(fallback)
+
+
+def _refused() -> str | None:
+    """Why nothing is built in this process at all, if so."""
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if os.environ.get(DISABLE):
+        return f"{DISABLE} is set"
+    return None
 
 
 def _cpu() -> str:
@@ -103,13 +113,10 @@ def library() -> Path | None:
     """The built library, building it if this machine has not yet; None if it cannot be
     (not Linux, turned off, no compiler, a failed build: `problem`)."""
     global problem
-    if not sys.platform.startswith("linux"):
-        problem = "not Linux"
+    problem = _refused()
+    if problem:
         return None
-    if os.environ.get(DISABLE):
-        problem = f"{DISABLE} is set"
-        return None
-    compiler = _compiler()
+    compiler = _compiler("CC", "cc", "gcc")
     if compiler is None:
         problem = "no C compiler (install gcc, or set CC)"
         return None
@@ -149,13 +156,10 @@ def layers() -> ModuleType | None:
 
 def _load_layers() -> ModuleType | None:
     global layers_problem
-    if not sys.platform.startswith("linux"):
-        layers_problem = "not Linux"
+    layers_problem = _refused()
+    if layers_problem:
         return None
-    if os.environ.get(DISABLE):
-        layers_problem = f"{DISABLE} is set"
-        return None
-    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    compiler = _compiler("CXX", "c++", "g++")
     try:
         import mlx
         import mlx.core as mx
