@@ -43,7 +43,10 @@ class RoPE(nn.RoPE):
                 or not mx.issubdtype(offset.dtype, mx.integer)
             ):
                 return super().__call__(x, offset)  # MLX's error
-            first = offset.reshape(-1).astype(mx.int32)
+            # a cache's offsets are already int32 (batch,): no extra node for them
+            first = offset if offset.ndim == 1 else offset.reshape(1)
+            if first.dtype != mx.int32:
+                first = first.astype(mx.int32)
         else:
             first = mx.array([offset], mx.int32)
         return self._ops.rope(x, first, self._inv_freq, self.dims, self.traditional, self.scale)
@@ -78,7 +81,7 @@ def install(model: Any) -> int:
     if ops is None:
         return 0
     swapped = 0
-    for module in [model, *model.modules()]:
+    for module in model.modules():  # `model` among them
         for key, value in list(module.items()):
             children = value if isinstance(value, list) else [value]
             for i, child in enumerate(children):
