@@ -297,8 +297,8 @@ def serve(args: argparse.Namespace) -> int:
         (log.info if fast else log.warning)("CPU matmuls use %s", blas)
         log.info(
             "CPU fast path: %s",
-            "on where the model calls mlx-lm's attention and SwiGLU, and for logprobs"
-            " (--no-cpu-fast-path: off)"
+            "on where the model calls mlx-lm's attention and SwiGLU or MLX's RoPE and"
+            " RMSNorm modules, and for logprobs (--no-cpu-fast-path: off)"
             if settings.cpu_fast_path
             else "off: MLX's own kernels",
         )
