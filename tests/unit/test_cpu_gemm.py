@@ -44,7 +44,7 @@ def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 33, 64, 65])
 @pytest.mark.parametrize("n,k", [(576, 576), (1537, 577), (4099, 17), (70, 1000)])
 def test_products_equal_float64_within_float32_rounding(rows, n, k):
     rng = np.random.default_rng(rows * 1000 + n)
@@ -87,14 +87,14 @@ def test_a_row_gets_the_same_bits_alone_and_beside_others():
     """Why drafts verified in one pass can equal single steps: a row's products do not
     depend on the rows computed with it."""
     rng = np.random.default_rng(3)
-    x = mx.array(rng.standard_normal((16, 576), np.float32))
+    x = mx.array(rng.standard_normal((64, 576), np.float32))
     w = mx.array(rng.standard_normal((3000, 576), np.float32))
     together, calls = counted(lambda: x @ w.T)
     assert calls == 1
-    for i in range(16):
+    for i in range(64):
         alone = x[i : i + 1] @ w.T
         assert np.array_equal(np.array(alone)[0], np.array(together)[i]), f"row {i}"
-    for size in (2, 3, 5, 9):
+    for size in (2, 3, 5, 9, 17, 33):
         part = x[:size] @ w.T
         assert np.array_equal(np.array(part), np.array(together)[:size]), f"{size} rows"
 
@@ -103,7 +103,7 @@ def test_other_products_go_on_to_the_blas():
     rng = np.random.default_rng(5)
     w = mx.array(rng.standard_normal((600, 576), np.float32))
     cases = {
-        "more rows": lambda: mx.ones((17, 576)) @ w.T,
+        "more rows": lambda: mx.ones((kernels().mlxcs_gemm_max_rows() + 1, 576)) @ w.T,
         "not transposed": lambda: mx.ones((2, 600)) @ w,
         "small": lambda: mx.ones((1, 64)) @ mx.ones((64, 64)).T,
     }
@@ -193,3 +193,14 @@ def test_how_many_cores_the_kernels_use(env, expected):
     )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == expected
+
+
+def test_a_draft_pass_stays_within_what_the_kernels_compute_as_single_steps():
+    """A verified draft's tokens are a single step's only where its pass takes the same
+    kernels: our products for all its rows, our attention for each stream's positions."""
+    from app.engine.drafting import MAX_DRAFT
+    from app.engine.speculative import MAX_POSITIONS
+    from app.runtime.kernel_attention import MAX_QUERIES
+
+    assert MAX_DRAFT + 1 <= MAX_QUERIES
+    assert MAX_POSITIONS <= kernels().mlxcs_gemm_max_rows()

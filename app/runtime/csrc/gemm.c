@@ -19,7 +19,10 @@
 #include "vec.h"
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
-#define MAX_ROWS 16
+#define MAX_ROWS 64
+/* W's rows this far ahead are fetched while these are multiplied: with several rows of
+   x, the multiply-adds between two loads leave the hardware prefetcher behind */
+#define AHEAD 16
 #define MIN_WEIGHTS 65536 /* smaller products stay with the BLAS: no cores to wake */
 
 typedef void (*sgemm)(int, int, int, int, int, int, float, const float *, int,
@@ -48,6 +51,15 @@ static inline __attribute__((always_inline)) void finish(const struct product *p
     *out = p->beta == 0 ? p->alpha * s : p->alpha * s + p->beta * *out;
 }
 
+#ifdef __AVX512F__
+/* A vector is one register of 32: four rows of x by four of W fit, each loaded once a
+   step (GCC otherwise folds the loads into the multiply-adds, a load for each). */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+/* A vector is two or four registers: a 4 by 4 tile would not fit. */
+#define IN_REGISTER(v) ((void)0)
+#endif
+
 /* R rows of x from m against C rows of W from n, in registers */
 #define TILE(R, C)                                                                   \
     static void tile_##R##_##C(const struct product *p, int m, int n) {             \
@@ -58,18 +70,29 @@ static inline __attribute__((always_inline)) void finish(const struct product *p
         for (int r = 0; r < R; r++)                                                  \
             for (int c = 0; c < C; c++) acc[r][c] = (vec){0};                        \
         for (int k = 0; k < whole; k += LANES) {                                     \
-            vec wk[C];                                                               \
+            vec wk[C], xk[R];                                                        \
             for (int c = 0; c < C; c++) wk[c] = *(const vec *)(w + c * ldb + k);     \
-            for (int r = 0; r < R; r++) {                                            \
-                vec xk = *(const vec *)(x + r * lda + k);                            \
-                for (int c = 0; c < C; c++) acc[r][c] += xk * wk[c];                 \
-            }                                                                        \
+            for (int r = 0; r < R; r++) xk[r] = *(const vec *)(x + r * lda + k);     \
+            for (int c = 0; c < C; c++) IN_REGISTER(wk[c]);                          \
+            for (int r = 0; r < R; r++) IN_REGISTER(xk[r]);                          \
+            for (int c = 0; c < C; c++) __builtin_prefetch(w + (c + AHEAD) * ldb + k);   \
+            for (int r = 0; r < R; r++)                                              \
+                for (int c = 0; c < C; c++) acc[r][c] += xk[r] * wk[c];              \
         }                                                                            \
         for (int r = 0; r < R; r++)                                                  \
             for (int c = 0; c < C; c++) finish(p, m + r, n + c, acc[r][c]);          \
     }
 TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
-TILE(1, 4) TILE(2, 4) TILE(3, 2) TILE(4, 2)
+TILE(1, 4) TILE(2, 4)
+#ifdef __AVX512F__
+TILE(3, 4) TILE(4, 4)
+#define THREE_ROWS(p, m, n) tile_3_4(p, m, n)
+#define FOUR_ROWS(p, m, n) tile_4_4(p, m, n)
+#else
+TILE(3, 2) TILE(4, 2)
+#define THREE_ROWS(p, m, n) (tile_3_2(p, m, n), tile_3_2(p, m, n + 2))
+#define FOUR_ROWS(p, m, n) (tile_4_2(p, m, n), tile_4_2(p, m, n + 2))
+#endif
 
 /* W's rows of this part, four at a time, each four kept in cache while every block of
    up to four rows of x goes past them */
@@ -81,8 +104,8 @@ static void multiply(const void *task, int part, int parts) {
         for (int m = 0; m < p->m; m += 4) switch (p->m - m < 4 ? p->m - m : 4) {
             case 1: tile_1_4(p, m, n); break;
             case 2: tile_2_4(p, m, n); break;
-            case 3: tile_3_2(p, m, n), tile_3_2(p, m, n + 2); break;
-            default: tile_4_2(p, m, n), tile_4_2(p, m, n + 2);
+            case 3: THREE_ROWS(p, m, n); break;
+            default: FOUR_ROWS(p, m, n);
             }
     for (; n < end; n++)
         for (int m = 0; m < p->m; m += 4) switch (p->m - m < 4 ? p->m - m : 4) {
