@@ -126,7 +126,7 @@ def drafts(url: str) -> dict[str, float]:
     return {k: float(v) for k, v in found.items()}
 
 
-def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8)) -> None:
+def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)) -> None:
     reexec_preloaded(sys.argv)  # the server's BLAS and kernels, before MLX is imported
     import mlx.core as mx
     from mlx_lm import load

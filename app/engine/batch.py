@@ -54,6 +54,7 @@ class Batch(Entering, PromptSteps, Exits):
         self.gen = MixedGenerator(engine.model, **engine.batch_args)
         self.side = MixedGenerator(engine.model, **engine.batch_args)
         self.gen.on_verified = self.side.on_verified = self._verified
+        self.gen.recent_for = self.side.recent_for = self._recent_replies
         self.side._uid_count = SIDE_UIDS  # mlx-lm numbers from this counter
         self.active: dict[int, Request] = {}
         self.queue: list[tuple[Request, float]] = []
@@ -202,6 +203,10 @@ class Batch(Entering, PromptSteps, Exits):
             request.accepted += accepted
         self.engine.stats.drafted += drafted
         self.engine.stats.accepted += accepted
+
+    def _recent_replies(self, uid: int) -> list[Any]:
+        request = self.active.get(uid)
+        return [] if request is None else self.engine.replies.latest(request.cache_key)
 
     def _prefilling(self) -> list[Request]:
         """The admitted requests whose prompts are still being prefilled."""

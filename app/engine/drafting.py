@@ -1,41 +1,57 @@
 """Prompt-lookup drafts: the tokens that followed the last time a sequence's latest tokens
-appeared in it, and how many of them to try.
+appeared in it or in a reply its tenant was recently given, and how many of them to try.
 
 A coding agent's turn often writes back text it was just shown (a file with a line
 changed, a diff, a quoted error), so the tokens after an earlier occurrence of the last
 few generated tokens are a good guess at the next ones. Verifying a guess of k tokens
 takes one forward pass over k+1 positions, on a CPU about the cost of one; every token
 of it that matches what the model would have produced anyway is a decode step saved
-(`speculative`).
+(`speculative`). A turn asked again (a retry, a second session) writes what an earlier
+reply wrote, which its own prompt need not hold: those replies are looked in too
+(`replies`).
 
 Policy only, plain data, no MLX: `PromptLookup` indexes one sequence; `Pace` decides the
 draft's length from how the last drafts fared, down to none for a while when they keep
-failing, so that text the context does not predict is not decoded any slower.
+failing, so that text the context does not predict is not decoded any slower, and keeps
+the share of them accepted, which the batch's rule weighs (`speculative.draft_length`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_N, MAX_N = 2, 8  # lengths of the matched suffix: looked up by its last 2, longest wins
+# Lengths of the matched suffix: looked up by its last 2, the longest wins. Followed far
+# back, so that in text that repeats itself (a list, a reply asked for again) the place
+# that lines up with the sequence wins over a later one that matches its last few tokens.
+MIN_N, MAX_N = 2, 256
 CANDIDATES = 16  # earlier occurrences of the last two tokens compared, latest first
-MAX_DRAFT = 12  # tokens verified at most in one pass
+# Tokens verified at most in one pass: with the token before them, as many queries as our
+# CPU attention kernel takes a sequence (`kernel_attention.MAX_QUERIES`), which attends
+# each as a single step does.
+MAX_DRAFT = 15
 PAUSE = 16  # steps without drafting after drafts kept failing
+# The share of drafted tokens accepted where drafts are made (`python -m bench
+# speculation`): what a stream expects before its own drafts have said otherwise.
+ACCEPTED = 0.75
 
 
 class PromptLookup:
     """Where each pair of a sequence's tokens ended, so that the tokens after an earlier
     occurrence of its last tokens are found at once: of the latest `CANDIDATES` earlier
     occurrences of its last two, the one whose match runs furthest back (up to MAX_N
-    tokens), the latest of those.
+    tokens), the latest of those. With `recent` texts (other replies of the same model and
+    tenant: `replies`), an occurrence in one of them is a candidate too; whichever match
+    runs further back drafts, a reply winning a tie, since it is what the model wrote after
+    that context, where the prompt is what it was shown.
 
     Invariant: `ends` holds the pairs that end before the sequence's last token, so a
     lookup of the last tokens finds an earlier occurrence, never the suffix itself. One
     entry a token: a long prompt is indexed in milliseconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, recent: list[PromptLookup] | None = None) -> None:
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, int], list[int]] = {}
+        self.recent = recent or []
 
     def extend(self, tokens: list[int]) -> None:
         """Append tokens; index the pairs that now end before the last one."""
@@ -51,22 +67,42 @@ class PromptLookup:
         seq = self.tokens
         if len(seq) < MIN_N:
             return []
-        best, best_run = None, 0
-        for end in reversed(self.ends.get((seq[-2], seq[-1]), [])[-CANDIDATES:]):
-            run = MIN_N
-            while (run < min(MAX_N, len(seq) - 1) and end - run > 0
-                   and seq[end - run - 1] == seq[-run - 1]):  # fmt: skip
-                run += 1
-            if run > best_run:
-                best, best_run = end, run
-            if run == MAX_N:
-                break
+        best, run = _occurrence(self, seq)
+        source = self
+        for text in self.recent:
+            end, longer = _occurrence(text, seq)
+            if end is not None and (longer > run or longer == run and source is self):
+                best, run, source = end, longer, text
         if best is None:
             return []
+        if source is not self:
+            return source.tokens[best : best + k]
         # A match running into the sequence's end is a cycle of that period (a run of one
         # token, a repeated line): it goes on as one, not for just one period.
         period = len(seq) - best
         return [seq[best + i % period] for i in range(k)] if period < k else seq[best : best + k]
+
+
+def _occurrence(text: PromptLookup, seq: list[int]) -> tuple[int | None, int]:
+    """Of the latest `CANDIDATES` places in `text` where `seq`'s last two tokens end, the
+    one whose match runs furthest back (up to MAX_N), the latest of those; and that run."""
+    best, best_run = None, 0
+    for end in reversed(text.ends.get((seq[-2], seq[-1]), [])[-CANDIDATES:]):
+        run = _run(text.tokens, end, seq, MAX_N)
+        if run > best_run:
+            best, best_run = end, run
+        if run == MAX_N:
+            break
+    return best, best_run
+
+
+def _run(tokens: list[int], end: int, seq: list[int], most: int) -> int:
+    """How many tokens of `tokens` before `end` equal the last ones of `seq` (at most
+    `most`; `seq`'s own last token is never compared with itself: `end` is before it)."""
+    run, most = 0, min(most, end, len(seq))
+    while run < most and tokens[end - run - 1] == seq[-run - 1]:
+        run += 1
+    return run
 
 
 @dataclass
@@ -76,6 +112,7 @@ class Pace:
     k: int = 4
     failed: int = 0  # drafts in a row of which nothing was accepted
     paused: int = 0  # steps left without drafting
+    rate: float = ACCEPTED  # the share of its drafted tokens accepted, recent drafts weighing most
 
     def next_length(self) -> int:
         if self.paused:
@@ -85,8 +122,9 @@ class Pace:
 
     def saw(self, drafted: int, accepted: int) -> None:
         """A draft of `drafted` tokens of which the first `accepted` were right."""
+        self.rate += (accepted / drafted - self.rate) / 4
         if accepted == drafted:
-            self.k, self.failed = min(MAX_DRAFT, self.k + 2), 0
+            self.k, self.failed = min(MAX_DRAFT, self.k * 2), 0
         elif accepted == 0:
             self.failed += 1
             self.k = max(1, self.k // 2)

@@ -25,6 +25,7 @@ from prompt_cache.layers import mode_of
 from .constraint import GrammarTokenizer
 from .draft_model import DraftModel
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
+from .replies import RecentReplies
 from .request import Request
 from .steps import LocalSteps, StepSource
 from .thread import SHARD_LOST, SHUTTING_DOWN, EngineThread
@@ -58,6 +59,7 @@ class Engine(EngineThread):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.cache = cache
+        self.replies = RecentReplies()  # what drafts are made from besides a sequence's own
         # How the cache stores this model: "prefix" (attention only), "checkpointed" (a
         # hybrid: its other layers' state stored where `checkpoints_of` says) or "snapshot".
         self.cache_mode = mode_of(fresh_cache(model))
@@ -132,6 +134,7 @@ class Engine(EngineThread):
         keys = self.cache.models()
         for key in keys:
             self.cache.clear(key)
+        self.replies.clear()
         return len(keys)
 
     def release_memory(self) -> None:

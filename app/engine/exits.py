@@ -101,11 +101,13 @@ def deliver(
 
 
 def store(engine: Host, request: Request, state: State | None) -> None:
-    """Put a sequence's KV into the cache, for the next turn or for waiting requests."""
+    """Put a sequence's KV into the cache, for the next turn or for waiting requests, and
+    its reply among the replies drafts are made from."""
     cache = engine.cache
     if cache is None or state is None or not state[0] or not state[1]:
         return
     kv, tokens = state
+    engine.replies.add(request.cache_key, tokens, len(request.tokens))
     try:
         cache.insert(request.cache_key, request.state_key(tokens), kv)
     except ValueError as e:  # never worth failing a request over

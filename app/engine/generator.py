@@ -75,6 +75,8 @@ class MixedGenerator(BatchGenerator):
         self._drafting: dict[int, tuple[PromptLookup, Pace, DraftState | None]] = {}
         self._from_model: DraftState | None = None  # the step's draft came from it
         self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
+        # A new stream's other texts to draft from: its tenant's recent replies (`replies`).
+        self.recent_for: Callable[[int], list[PromptLookup]] = lambda uid: []
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         chunk = self._chunk_beside() if self.together else None
@@ -113,7 +115,7 @@ class MixedGenerator(BatchGenerator):
         modelled = lone and self.draft_model is not None
         for uid in uids:
             if uid not in self._drafting:
-                self._drafting[uid] = (PromptLookup(), Pace(), None)
+                self._drafting[uid] = (PromptLookup(self.recent_for(uid)), Pace(), None)
         # Every stream's pace counts its step, drafted or not; a plain step is known before
         # the wait for the last step's tokens, which a plain step does not need.
         rooms = [m - n - 1 for m, n in zip(streams.max_tokens, streams._num_tokens, strict=True)]
@@ -133,7 +135,7 @@ class MixedGenerator(BatchGenerator):
                 draft = state.draft(lookup.tokens, min(self.draft_model.tokens, rooms[i], longest))
                 self._from_model = state
             drafts.append(draft)
-        k = draft_length([len(d) for d in drafts])
+        k = draft_length([len(d) for d in drafts], [self._drafting[u][1].rate for u in uids])
         return [d[:k] for d in drafts] if k else []
 
     def _verified(self, streams: Any, drafts: list[list[int]]) -> list[Any]:

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from prompt_cache import PromptCache
 
 from .events import EngineStats
+from .replies import RecentReplies
 from .request import Request
 
 
@@ -18,6 +19,7 @@ class Host(Protocol):
     model: Any
     tokenizer: Any
     cache: PromptCache | None
+    replies: RecentReplies
     stats: EngineStats
     batch_args: dict[str, Any]  # mlx-lm's BatchGenerator's settings
     completion_batch_size: int

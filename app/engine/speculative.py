@@ -41,18 +41,17 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..runtime import cpu_logprobs
+from .drafting import ACCEPTED
 from .gapped_cache import GappedKVCache
 from .sampling import Categorical
 
 # A pass's rows and positions (rows times k+1) at most: as far as the pass-cost model
 # below was measured (`--pass-cost` in bench/speculation.py; bench/README.md, "Decode
-# kernels"), which it overstates past 16 positions, where OpenBLAS takes the products.
-MAX_ROWS, MAX_POSITIONS = 4, 32
+# kernels").
+MAX_ROWS, MAX_POSITIONS = 4, 64
 # A pass over P positions a row costs about 1 + (P-1) * (PER_POSITION + PER_ROW * rows)
 # times one over a position a row, on this CPU (`--pass-cost`).
-PER_POSITION, PER_ROW = 0.10, 0.03
-# The share of drafted tokens accepted where drafts are made (`python -m bench speculation`).
-ACCEPTED = 0.75
+PER_POSITION, PER_ROW = 0.02, 0.046
 
 
 def longest_draft(rows: int) -> int:
@@ -60,15 +59,18 @@ def longest_draft(rows: int) -> int:
     return MAX_POSITIONS // rows - 1
 
 
-def draft_length(lengths: list[int]) -> int:
+def draft_length(lengths: list[int], rates: list[float] | None = None) -> int:
     """How many drafted tokens a step of streams with drafts this long (0: none) verifies,
     each stream's draft cut to it: the length whose expected tokens for what its pass costs
-    beat a plain step's most; 0 for a plain step. A stream alone drafts all it has; one
-    drafting stream among four costs the others more than it gains, two do not."""
+    beat a plain step's most; 0 for a plain step. `rates`: the share of each stream's
+    drafted tokens it expects accepted (`drafting.Pace.rate`; `ACCEPTED` each if None). A
+    stream alone drafts all it has; one drafting stream among four costs the others more
+    than it gains, two do not."""
     rows = len(lengths)
+    rates = rates or [ACCEPTED] * rows
     best, best_rate = 0, float(rows)
     for k in range(1, min(max(lengths, default=0), longest_draft(rows)) + 1):
-        tokens = rows + ACCEPTED * sum(min(n, k) for n in lengths)
+        tokens = rows + sum(r * min(n, k) for n, r in zip(lengths, rates, strict=True))
         rate = tokens / (1 + k * (PER_POSITION + PER_ROW * rows))
         if rate > best_rate:
             best, best_rate = k, rate

@@ -99,7 +99,8 @@ def test_a_lone_request_needs_no_separate_decode_step_for_its_first_token(tiny_m
 
 
 def test_a_warm_turn_prefills_only_what_is_new(tiny_model_dir):
-    engine = build_engine(Settings(), str(tiny_model_dir))
+    # Without drafts: turn 2 would verify turn 1's reply as a draft, several positions a pass.
+    engine = build_engine(Settings(speculation=False), str(tiny_model_dir))
     engine.model = counting = CountingModel(engine.model)
     first = prompt(engine.tokenizer, QUESTIONS[0])
     sinks = collect(engine, [first, first], SamplingParams(max_tokens=3, temperature=0), False)

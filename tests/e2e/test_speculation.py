@@ -89,6 +89,35 @@ def test_greedy_output_is_the_same_with_drafts_verified(engines):
         assert got.finished.accepted > got.finished.drafted // 3
 
 
+def ask_as(engine, tenant: str, tokens: list[int], max_tokens: int) -> Run:
+    run = Run()
+    engine.submit(tokens, SamplingParams(temperature=0.0, max_tokens=max_tokens), run, tenant)
+    assert run.done.wait(300)
+    return run
+
+
+def test_a_reply_is_drafted_again_from_the_last_one_for_its_tenant_only(engines):
+    """A turn asked again (a retry, a second session) drafts from the reply written before:
+    for the same tenant only, until the cache is flushed, and it decodes the same."""
+    on, off, model = engines
+    asked = [{"role": "user", "content": "Write a short poem about the sea."}]
+    tokens = list(on.tokenizer.apply_chat_template(asked, add_generation_prompt=True))
+    want = ask(off, tokens, max_tokens=64)
+    first = ask_as(on, "a", tokens, 64)
+    again = ask_as(on, "a", tokens, 64)
+    elsewhere = ask_as(on, "b", tokens, 64)
+    on.flush_cache()
+    flushed = ask_as(on, "a", tokens, 64)
+    assert want.text == first.text == again.text == elsewhere.text == flushed.text
+    f, a = first.finished, again.finished
+    # Drafted from the reply before, and every drafted token right: most of the reply
+    # (a pass's first token is the one the step before drew, never a draft's).
+    assert a.accepted == a.drafted > f.accepted
+    assert a.accepted >= a.completion_tokens * 2 // 3
+    for other in (elsewhere.finished, flushed.finished):  # nothing of tenant a's reply
+        assert (other.drafted, other.accepted) == (f.drafted, f.accepted)
+
+
 @pytest.mark.parametrize("limit", [1, 2, 7, 13])
 def test_max_tokens_ends_inside_a_draft_where_it_would_without(engines, limit):
     on, off, _ = engines

@@ -60,7 +60,7 @@ def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
     from app.engine.speculative import draft_length, longest_draft
 
     assert draft_length([9]) == 9  # alone, every drafted token is nearly free
-    assert draft_length([40]) == longest_draft(1)
+    assert draft_length([100]) == longest_draft(1)
     assert draft_length([0]) == draft_length([0, 0]) == 0
     assert draft_length([3, 3, 3, 3]) == 3
     assert draft_length([5, 0]) == 5  # one of two streams drafting pays for the other's row
@@ -69,3 +69,67 @@ def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
     assert draft_length([3, 3, 0, 0]) == draft_length([3, 3, 3, 0]) == 3
     assert draft_length([1, 7]) == 7  # as long as the longer draft, no longer
     assert draft_length([1, 40]) == longest_draft(2)
+    # What each stream's drafts have been accepted at decides too: one of four that is
+    # always right pays for the others' rows; drafts that are nearly always wrong do not.
+    assert draft_length([8, 0, 0, 0], [1.0, 0.75, 0.75, 0.75]) == 8
+    assert draft_length([8] * 4, [0.05] * 4) == draft_length([8], [0.05]) == 0
+
+
+def test_the_pace_keeps_the_share_of_its_drafts_accepted():
+    pace = Pace()
+    for _ in range(20):
+        pace.saw(8, 8)
+    assert pace.rate > 0.99
+    for _ in range(20):
+        pace.saw(8, 2)
+    assert abs(pace.rate - 0.25) < 0.01
+
+
+def test_a_recent_reply_drafts_where_the_sequence_has_nothing():
+    reply = lookup([50, 51, 9, 8, 7, 6, 5, 4])  # the end of a prompt, then the reply
+    seq = PromptLookup([reply])
+    seq.extend([1, 2, 3, 50, 51, 9, 8])
+    assert seq.draft(3) == [7, 6, 5]
+    assert PromptLookup([reply]).draft(3) == []  # nothing yet to match
+
+
+def test_the_match_that_runs_further_back_drafts_a_reply_winning_a_tie():
+    # The prompt holds a file, 10 11 12 13 14; an earlier reply wrote it back with 13
+    # renamed 99. Writing it back again, the reply's match runs back to where it began.
+    reply = lookup([7, 10, 11, 12, 99, 14])
+    seq = PromptLookup([reply])
+    seq.extend([10, 11, 12, 13, 14, 7, 10, 11, 12])
+    assert seq.draft(2) == [99, 14]
+    seq = PromptLookup([lookup([10, 11, 12, 99])])  # as far back as the prompt's: a tie
+    seq.extend([10, 11, 12, 13, 7, 10, 11, 12])
+    assert seq.draft(1) == [99]
+    # A match of the sequence itself that runs further back wins over the reply's.
+    seq = PromptLookup([lookup([5, 10, 11, 12, 99, 14])])
+    seq.extend([7, 10, 11, 12, 13, 14, 7, 10, 11, 12])
+    assert seq.draft(2) == [13, 14]
+    # Of two replies matching as far back, the latest (first listed) drafts.
+    seq = PromptLookup([lookup([1, 2, 3, 4]), lookup([1, 2, 3, 5])])
+    seq.extend([1, 2])
+    assert seq.draft(2) == [3, 4]
+
+
+def test_recent_replies_are_kept_per_key_within_a_budget():
+    from app.engine.replies import ANCHOR, RecentReplies
+
+    replies = RecentReplies(budget=100)
+    prompt = list(range(1000, 1000 + 2 * ANCHOR))
+    replies.add("a", prompt + [1, 2, 3], len(prompt))
+    (kept,) = replies.latest("a")
+    assert kept.tokens == prompt[-ANCHOR:] + [1, 2, 3]  # the reply and its prompt's end
+    assert replies.latest("b") == [] and replies.tokens == ANCHOR + 3
+    replies.add("a", prompt, len(prompt))  # no reply: nothing kept
+    replies.add("b", prompt + [1, 2, 3], len(prompt))
+    replies.add("a", prompt + [1, 2, 3], len(prompt))  # again: kept once, the latest
+    assert replies.tokens == 2 * (ANCHOR + 3)
+    replies.add("a", prompt + [4] * 40, len(prompt))  # over the budget: the oldest go
+    assert [t.tokens[-1] for t in replies.latest("a")] == [4]
+    assert replies.latest("b") == [] and replies.tokens == ANCHOR + 40
+    replies.add("a", [9] * 101, 0)  # longer than the whole budget: not kept
+    assert replies.tokens == ANCHOR + 40
+    replies.clear()
+    assert replies.latest("a") == [] and replies.tokens == 0
