@@ -65,7 +65,7 @@ def draft_length(lengths: list[int], rates: list[float] | None = None) -> int:
     beat a plain step's most; 0 for a plain step. `rates`: the share of each stream's
     drafted tokens it expects accepted (`drafting.Pace.rate`; `ACCEPTED` each if None). A
     stream alone drafts all it has; one drafting stream among four costs the others more
-    than it gains, two do not."""
+    than it gains unless its drafts are nearly always right, two do not."""
     rows = len(lengths)
     rates = rates or [ACCEPTED] * rows
     best, best_rate = 0, float(rows)
