@@ -20,8 +20,9 @@
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define MAX_ROWS 64
-/* W's rows this far ahead are fetched while these are multiplied: with several rows of
-   x, the multiply-adds between two loads leave the hardware prefetcher behind */
+/* W's rows this far ahead are fetched into L2 while these are multiplied: the hardware
+   prefetcher alone leaves the loads waiting (into L1 instead, the rows ahead evict the
+   rows at hand) */
 #define AHEAD 16
 #define MIN_WEIGHTS 65536 /* smaller products stay with the BLAS: no cores to wake */
 
@@ -75,7 +76,7 @@ static inline __attribute__((always_inline)) void finish(const struct product *p
             for (int r = 0; r < R; r++) xk[r] = *(const vec *)(x + r * lda + k);     \
             for (int c = 0; c < C; c++) IN_REGISTER(wk[c]);                          \
             for (int r = 0; r < R; r++) IN_REGISTER(xk[r]);                          \
-            for (int c = 0; c < C; c++) __builtin_prefetch(w + (c + AHEAD) * ldb + k);   \
+            for (int c = 0; c < C; c++) __builtin_prefetch(w + (c + AHEAD) * ldb + k, 0, 2); \
             for (int r = 0; r < R; r++)                                              \
                 for (int c = 0; c < C; c++) acc[r][c] += xk[r] * wk[c];              \
         }                                                                            \
