@@ -25,7 +25,7 @@ from prompt_cache.layers import mode_of
 from .constraint import GrammarTokenizer
 from .draft_model import DraftModel
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
-from .replies import RecentReplies
+from .replies import BUDGET, RecentReplies
 from .request import Request
 from .steps import LocalSteps, StepSource
 from .thread import SHARD_LOST, SHUTTING_DOWN, EngineThread
@@ -59,7 +59,8 @@ class Engine(EngineThread):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.cache = cache
-        self.replies = RecentReplies()  # what drafts are made from besides a sequence's own
+        # What drafts are made from besides a sequence's own: nothing kept without drafts.
+        self.replies = RecentReplies(BUDGET if speculation else 0)
         # How the cache stores this model: "prefix" (attention only), "checkpointed" (a
         # hybrid: its other layers' state stored where `checkpoints_of` says) or "snapshot".
         self.cache_mode = mode_of(fresh_cache(model))

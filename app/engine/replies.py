@@ -28,6 +28,8 @@ LATEST = 16  # replies of a key a draft looks in, latest first
 
 
 class RecentReplies:
+    """Replies kept per cache key; a budget of 0 keeps none (speculation off)."""
+
     def __init__(self, budget: int = BUDGET) -> None:
         self.budget = budget
         self._lock = threading.Lock()
@@ -36,16 +38,15 @@ class RecentReplies:
 
     def add(self, key: Any, tokens: list[int], prompt_length: int) -> None:
         """Keep the reply at the end of `tokens` (after its first `prompt_length`) for key."""
-        if len(tokens) <= prompt_length:
-            return
-        kept = tuple(tokens[max(0, prompt_length - ANCHOR) :])
-        if len(kept) > self.budget:
+        start = max(0, prompt_length - ANCHOR)
+        if len(tokens) <= prompt_length or len(tokens) - start > self.budget:
             return
         text = PromptLookup()
-        text.extend(list(kept))
+        text.extend(tokens[start:])
+        kept = tuple(text.tokens)
         with self._lock:
-            old = self._oldest_first.pop((key, kept), None)
-            self._tokens += len(kept) - (len(old.tokens) if old is not None else 0)
+            if self._oldest_first.pop((key, kept), None) is None:
+                self._tokens += len(kept)
             self._oldest_first[(key, kept)] = text
             while self._tokens > self.budget:
                 (_, dropped), _ = self._oldest_first.popitem(last=False)

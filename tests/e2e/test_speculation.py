@@ -109,6 +109,7 @@ def test_a_reply_is_drafted_again_from_the_last_one_for_its_tenant_only(engines)
     on.flush_cache()
     flushed = ask_as(on, "a", tokens, 64)
     assert want.text == first.text == again.text == elsewhere.text == flushed.text
+    assert off.replies.tokens == 0 < on.replies.tokens  # kept only where drafts are made
     f, a = first.finished, again.finished
     # Drafted from the reply before, and every drafted token right: most of the reply
     # (a pass's first token is the one the step before drew, never a draft's).
