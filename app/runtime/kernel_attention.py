@@ -6,8 +6,12 @@ in turn, so a draft's pass of 8 positions cost 8 steps' attention; the kernel ta
 query rows of a key head together over blocks of its keys, a row's arithmetic the same
 whatever rows it is computed with (the same bits in a pass as in a single step), its
 `exp` vectorized, the heads spread over the cores. The operands are the MLX arrays' own
-buffers, read in place (numpy views of them carry the strides); only the small output
-is copied back.
+buffers, read in place.
+
+The kernel runs as a node of MLX's graph (the primitive in `csrc/layers.cpp`), so that a
+step is built whole and evaluated at once; called from here instead, on evaluated arrays,
+each layer's attention waited for the layers before it (bench/README.md, "Decode
+kernels"). That call stays for where the extension cannot be built.
 
 Used by `cpu_attention` when the kernels' library is preloaded (`native.py`).
 """
@@ -23,9 +27,13 @@ import numpy as np
 from . import native
 
 MAX_QUERIES = 16  # queries a sequence: a decode step's 1 to a long draft's pass
+MAX_KEYS = 1 << 20  # as `csrc/attention.c`
 NO_MASK, CAUSAL, BOOL_MASK, ADDITIVE_MASK = range(4)
 
 enabled = True  # off: `cpu_attention` goes on as without the kernels
+# Off: the kernel is called from here on evaluated arrays, not as a node of the graph (as
+# where the extension of `csrc/layers.cpp` cannot be built).
+primitive = True
 
 _long3, _long4 = ctypes.c_long * 3, ctypes.c_long * 4
 
@@ -77,41 +85,62 @@ def attention(
 ) -> mx.array | None:
     """softmax(q k^T * scale + mask) v as `cpu_attention.attention` takes it; None where
     the kernel does not compute it (the caller goes on to MLX's path)."""
+    b, heads, n_q, _ = queries.shape
+    kv_heads, n_k = keys.shape[1], keys.shape[2]
+    if _kernel() is None or not 0 < n_q <= min(MAX_QUERIES, n_k) or n_k > MAX_KEYS:
+        return None
+    if heads % kv_heads or keys.shape[0] != b:
+        return None
+    kind = _mask_kind(mask, (b, heads, n_q, n_k))
+    if kind is None:
+        return None
+    ops = native.layers() if primitive else None
+    if ops is not None and ops.has_attention():
+        held = mask if kind in (BOOL_MASK, ADDITIVE_MASK) else None
+        return ops.attention(queries, keys, values, held, scale, kind)
+    return _called(queries, keys, values, scale, mask, kind)
+
+
+def _mask_kind(mask: Any, shape: tuple[int, int, int, int]) -> int | None:
+    """How the kernel takes `mask` for attention of this (batch, heads, queries, keys);
+    None for a mask it does not take: not one of these queries and keys (MLX's path says
+    so), of another type, or another kind."""
+    if mask is None or isinstance(mask, str) and mask == "causal":
+        return CAUSAL if mask and shape[2] > 1 else NO_MASK
+    if not isinstance(mask, mx.array) or mask.dtype not in (mx.bool_, mx.float32):
+        return None
+    if mask.ndim > 4:
+        return None
+    padded = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if any(size not in (1, full) for size, full in zip(padded, shape, strict=True)):
+        return None
+    return BOOL_MASK if mask.dtype == mx.bool_ else ADDITIVE_MASK
+
+
+def _called(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, kind: int
+) -> mx.array | None:
+    """The kernel called here, on evaluated arrays: where the extension with the primitive
+    is not to be had (`native.layers_problem`)."""
     b, heads, n_q, dim = queries.shape
     kv_heads, n_k = keys.shape[1], keys.shape[2]
-    fn = _kernel()
-    if fn is None or n_q > MAX_QUERIES or heads % kv_heads or keys.shape[0] != b:
-        return None
     arrays = [queries, keys, values, *([mask] if isinstance(mask, mx.array) else [])]
     mx.eval(*arrays)
     q, k, v = _view(queries), _view(keys), _view(values)
     out = np.empty((b, heads, n_q, values.shape[-1]), np.float32)
     spec = _Attention(
-        b, heads, kv_heads, n_q, n_k, dim, values.shape[-1], NO_MASK, scale,
+        b, heads, kv_heads, n_q, n_k, dim, values.shape[-1], kind, scale,
         q.ctypes.data, k.ctypes.data, v.ctypes.data,
         _long3(*_strides(q)), _long3(*_strides(k)), _long3(*_strides(v)),
         None, _long4(0, 0, 0, 0), out.ctypes.data,
     )  # fmt: skip
     held = None
-    if isinstance(mask, str):
-        if mask != "causal":
-            return None
-        spec.mask_kind = CAUSAL if n_q > 1 else NO_MASK
-    elif isinstance(mask, mx.array):
-        if mask.dtype not in (mx.bool_, mx.float32):
-            return None
+    if kind in (BOOL_MASK, ADDITIVE_MASK):
         m = np.asarray(mask)
-        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
-        try:
-            held = np.broadcast_to(m, (b, heads, n_q, n_k))
-        except ValueError:  # not a mask of these queries and keys: MLX's path says so
-            return None
-        spec.mask_kind = BOOL_MASK if m.dtype == np.bool_ else ADDITIVE_MASK
+        held = np.broadcast_to(m.reshape((1,) * (4 - m.ndim) + m.shape), (b, heads, n_q, n_k))
         spec.mask = held.ctypes.data
         spec.mask_stride = _long4(*(s // held.itemsize for s in held.strides))
-    elif mask is not None:
-        return None
-    if fn(ctypes.byref(spec)) != 0:
+    if _kernel()(ctypes.byref(spec)) != 0:
         return None
     del held, q, k, v  # the views, kept alive until the kernel returned
     return mx.array(out)

@@ -1,6 +1,6 @@
 """With the CPU fast path (attention's softmax, the MLP's SwiGLU and the logits'
-normalization through numpy, a few queries' attention on our kernel, RoPE and RMSNorm on
-our primitives, on by default on the CPU), greedy output with the cache equals output
+normalization through numpy; a few queries' attention, RoPE and RMSNorm as our
+primitives; on by default on the CPU), greedy output with the cache equals output
 without it, through the `openai` SDK."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
     layers, primitives = native.layers(), []
     if layers is not None:  # the servers' models take the primitives from this
         counted = type("Counted", (), {})()
-        for name in ("rope", "rms_norm", "inv_freq"):
+        for name in ("rope", "rms_norm", "inv_freq", "attention", "has_attention"):
             real_op = getattr(layers, name)
             setattr(counted, name, lambda *a, op=real_op, n=name: primitives.append(n) or op(*a))
         monkeypatch.setattr(native, "_layers", counted)
@@ -82,5 +82,7 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
         assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
     if layers is not None:
         assert {"rope", "rms_norm"} <= set(primitives)
+        if kernel_attention.available():  # as a node of the graph
+            assert "attention" in primitives
     assert taken and all(taken)  # every SwiGLU through numpy
     assert len(normalized) >= generated and all(normalized)  # each token's, through numpy

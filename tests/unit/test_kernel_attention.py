@@ -7,11 +7,32 @@ import numpy as np
 import pytest
 from mlx_lm.models import base
 
-from app.runtime import kernel_attention
+from app.runtime import kernel_attention, native
 
 pytestmark = pytest.mark.skipif(
     not kernel_attention.available(), reason="the kernels' library is not preloaded"
 )
+
+
+CALLED = kernel_attention._called
+
+
+def not_this_way(*args):
+    raise AssertionError("called from Python, not as a node of the graph")
+
+
+@pytest.fixture(autouse=True, params=["node", "called"])
+def route(request, monkeypatch):
+    """Every test both ways: the kernel as a node of MLX's graph (the primitive), and
+    called from Python on evaluated arrays (where the extension cannot be built)."""
+    if request.param == "node":
+        if native.layers() is None:
+            pytest.skip(f"no extension: {native.layers_problem}")
+
+        monkeypatch.setattr(kernel_attention, "_called", not_this_way)
+    else:
+        monkeypatch.setattr(kernel_attention, "primitive", False)
+    return request.param
 
 
 def operands(b, heads, kv_heads, n_q, n_k, dim=64, vdim=None, seed=0, room=0):
@@ -140,3 +161,34 @@ def test_declines_what_it_does_not_compute():
     assert kernel_attention.attention(q, k, v, 0.1, "causal") is None  # too many queries
     q, k, v = operands(1, 3, 2, 1, 40)
     assert kernel_attention.attention(q, k, v, 0.1, None) is None  # heads not grouped evenly
+    q, k, v = operands(1, 4, 2, 5, 3)
+    assert kernel_attention.attention(q, k, v, 0.1, None) is None  # more queries than keys
+    q, k, v = operands(2, 4, 2, 2, 30)
+    for mask in (mx.ones((3, 1, 2, 30), mx.bool_), mx.ones((3, 30)), mx.ones((2, 30), mx.int32)):
+        assert kernel_attention.attention(q, k, v, 0.1, mask) is None  # not these rows' mask
+    assert kernel_attention.attention(q, k, v, 0.1, "sliding") is None
+
+
+def test_operands_strided_along_their_last_axis():
+    """Keys and values as a transposed view (their last axis strided): copied for the
+    kernel, the same result."""
+    mx.random.seed(6)
+    q = mx.random.normal((2, 4, 3, 32))
+    k = mx.random.normal((2, 2, 32, 50)).swapaxes(-1, -2)
+    v = mx.random.normal((2, 2, 48, 50)).swapaxes(-1, -2)
+    np.testing.assert_allclose(
+        np.array(ours(q, k, v, "causal")), np.array(theirs(q, k, v, "causal")),
+        rtol=2e-5, atol=2e-6,
+    )  # fmt: skip
+
+
+def test_both_ways_give_the_same_bits(route, monkeypatch):
+    q, k, v = operands(3, 9, 3, 5, 260, seed=7)
+    masks = ["causal", None, mx.array(np.random.default_rng(7).random((3, 1, 5, 260)) > 0.2)]
+    for mask in masks:
+        here = np.array(ours(q, k, v, mask))
+        with monkeypatch.context() as m:  # the other way
+            m.setattr(kernel_attention, "primitive", route == "called")
+            m.setattr(kernel_attention, "_called", not_this_way if route == "called" else CALLED)
+            there = np.array(ours(q, k, v, mask))
+        assert np.array_equal(here, there), mask if isinstance(mask, str) else type(mask)

@@ -250,24 +250,26 @@ static float *scratch(long wanted) {
     return held->s;
 }
 
-/* The units of a call: each sequence's key heads, their rows cut into chunks */
-static void units(const void *task, int part, int parts) {
+/* A share of a call's units (each sequence's key heads, their rows cut into chunks), one
+   for each thread: a unit reads its key head's keys whole, so a thread's units go in
+   order (units taken one at a time by whichever thread is free measured slower) */
+static void units(const void *task, int share) {
     struct call *call = (struct call *)task;
     const struct attention *a = call->a;
     int group = a->heads / a->kv_heads * a->queries;
     int chunks = (group + ROW_CHUNK - 1) / ROW_CHUNK;
-    int total = a->batch * a->kv_heads * chunks;
-    int share = (total + parts - 1) / parts;
-    int end = (part + 1) * share < total ? (part + 1) * share : total;
+    int total = a->batch * a->kv_heads * chunks, shares = pool_parts();
+    int each = (total + shares - 1) / shares;
+    int end = (share + 1) * each < total ? (share + 1) * each : total;
     int stride = (a->keys + LANES - 1) / LANES * LANES;
     /* the rows' scores, then a block of keys transposed */
     long held = (long)ROW_CHUNK * stride;
-    float *s = part * share < end ? scratch(held + (long)a->dim * LANES) : NULL;
-    if (part * share < end && !s) {
+    float *s = share * each < end ? scratch(held + (long)a->dim * LANES) : NULL;
+    if (share * each < end && !s) {
         atomic_store(&call->failed, 1);
         return;
     }
-    for (int u = part * share; u < end; u++) {
+    for (int u = share * each; u < end; u++) {
         int c = u % chunks, head = u / chunks % a->kv_heads, b = u / chunks / a->kv_heads;
         int first = c * ROW_CHUNK, count = group - first < ROW_CHUNK ? group - first : ROW_CHUNK;
         unit(a, b, head, first, count, s, stride, (vec *)(s + held));
@@ -281,6 +283,6 @@ int mlxcs_attention(const struct attention *a) {
         a->queries < 1 || a->queries > a->keys || a->mask_kind < 0 || a->mask_kind > 3)
         return -1;
     struct call call = {a, 0};
-    pool_run(units, &call);
+    pool_run(units, &call, pool_parts());
     return atomic_load(&call.failed) ? -1 : 0;
 }

@@ -24,6 +24,8 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
    prefetcher alone leaves the loads waiting (into L1 instead, the rows ahead evict the
    rows at hand) */
 #define AHEAD 16
+#define CHUNKS 8          /* a product's chunks at most */
+#define MIN_CHUNK_ROWS 64 /* and W's rows in one at least */
 #define MIN_WEIGHTS 65536 /* smaller products stay with the BLAS: no cores to wake */
 
 typedef void (*sgemm)(int, int, int, int, int, int, float, const float *, int,
@@ -63,7 +65,7 @@ static inline __attribute__((always_inline)) void finish(const struct product *p
 
 /* R rows of x from m against C rows of W from n, in registers */
 #define TILE(R, C)                                                                   \
-    static void tile_##R##_##C(const struct product *p, int m, int n) {             \
+    static void tile_##R##_##C(const struct product *p, int m, int n, int fetch) {  \
         const float *x = p->a + (long)m * p->lda, *w = p->b + (long)n * p->ldb;      \
         const long lda = p->lda, ldb = p->ldb;                                       \
         const int whole = p->k / LANES * LANES;                                      \
@@ -76,7 +78,8 @@ static inline __attribute__((always_inline)) void finish(const struct product *p
             for (int r = 0; r < R; r++) xk[r] = *(const vec *)(x + r * lda + k);     \
             for (int c = 0; c < C; c++) IN_REGISTER(wk[c]);                          \
             for (int r = 0; r < R; r++) IN_REGISTER(xk[r]);                          \
-            for (int c = 0; c < C; c++) __builtin_prefetch(w + (c + AHEAD) * ldb + k, 0, 2); \
+            if (fetch)                                                               \
+                for (int c = 0; c < C; c++) __builtin_prefetch(w + (c + AHEAD) * ldb + k, 0, 2); \
             for (int r = 0; r < R; r++)                                              \
                 for (int c = 0; c < C; c++) acc[r][c] += xk[r] * wk[c];              \
         }                                                                            \
@@ -87,33 +90,43 @@ TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
 TILE(1, 4) TILE(2, 4)
 #ifdef __AVX512F__
 TILE(3, 4) TILE(4, 4)
-#define THREE_ROWS(p, m, n) tile_3_4(p, m, n)
-#define FOUR_ROWS(p, m, n) tile_4_4(p, m, n)
+#define THREE_ROWS(p, m, n, f) tile_3_4(p, m, n, f)
+#define FOUR_ROWS(p, m, n, f) tile_4_4(p, m, n, f)
 #else
 TILE(3, 2) TILE(4, 2)
-#define THREE_ROWS(p, m, n) (tile_3_2(p, m, n), tile_3_2(p, m, n + 2))
-#define FOUR_ROWS(p, m, n) (tile_4_2(p, m, n), tile_4_2(p, m, n + 2))
+#define THREE_ROWS(p, m, n, f) (tile_3_2(p, m, n, f), tile_3_2(p, m, n + 2, f))
+#define FOUR_ROWS(p, m, n, f) (tile_4_2(p, m, n, f), tile_4_2(p, m, n + 2, f))
 #endif
 
-/* W's rows of this part, four at a time, each four kept in cache while every block of
-   up to four rows of x goes past them */
-static void multiply(const void *task, int part, int parts) {
+/* W's rows a chunk takes: enough that taking one costs little beside it, few enough that
+   a thread put off by the system holds the others up by little (a multiple of 4) */
+static inline int chunk_rows(int n) {
+    int rows = (n + CHUNKS - 1) / CHUNKS;
+    rows = (rows + 3) / 4 * 4;
+    return rows < MIN_CHUNK_ROWS ? MIN_CHUNK_ROWS : rows;
+}
+
+/* W's rows of a chunk, four at a time, each four kept in cache while every block of up to
+   four rows of x goes past them */
+static void multiply(const void *task, int chunk) {
     const struct product *p = task;
-    int share = (p->n + parts - 1) / parts;
-    int n = part * share, end = n + share < p->n ? n + share : p->n;
-    for (; n + 4 <= end; n += 4)
+    int share = chunk_rows(p->n);
+    int n = chunk * share, end = n + share < p->n ? n + share : p->n;
+    for (; n + 4 <= end; n += 4) {
+        int fetch = n + AHEAD + 4 <= end; /* not the next chunk's rows: another thread's */
         for (int m = 0; m < p->m; m += 4) switch (p->m - m < 4 ? p->m - m : 4) {
-            case 1: tile_1_4(p, m, n); break;
-            case 2: tile_2_4(p, m, n); break;
-            case 3: THREE_ROWS(p, m, n); break;
-            default: FOUR_ROWS(p, m, n);
+            case 1: tile_1_4(p, m, n, fetch); break;
+            case 2: tile_2_4(p, m, n, fetch); break;
+            case 3: THREE_ROWS(p, m, n, fetch); break;
+            default: FOUR_ROWS(p, m, n, fetch);
             }
+    }
     for (; n < end; n++)
         for (int m = 0; m < p->m; m += 4) switch (p->m - m < 4 ? p->m - m : 4) {
-            case 1: tile_1_1(p, m, n); break;
-            case 2: tile_2_1(p, m, n); break;
-            case 3: tile_3_1(p, m, n); break;
-            default: tile_4_1(p, m, n);
+            case 1: tile_1_1(p, m, n, 0); break;
+            case 2: tile_2_1(p, m, n, 0); break;
+            case 3: tile_3_1(p, m, n, 0); break;
+            default: tile_4_1(p, m, n, 0);
             }
 }
 
@@ -128,7 +141,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && alpha != 0 && m >= 1 &&
         m <= MAX_ROWS && n >= 1 && k >= 0 && (long)n * k >= MIN_WEIGHTS) {
         struct product p = {m, n, k, lda, ldb, ldc, alpha, beta, a, b, c};
-        pool_run(multiply, &p);
+        pool_run(multiply, &p, (n + chunk_rows(n) - 1) / chunk_rows(n));
         atomic_fetch_add(&calls, 1);
         return;
     }

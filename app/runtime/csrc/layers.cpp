@@ -1,4 +1,5 @@
-/* RoPE and RMSNorm as MLX primitives on the CPU: one op each in the graph.
+/* RoPE, RMSNorm and a few queries' attention as MLX primitives on the CPU: one op each
+   in the graph.
 
    On the CPU, `mx.fast.rope` and `mx.fast.rms_norm` have no kernel: each call builds
    MLX's fallback, some twenty small ops for RoPE and six for RMSNorm, every one of them
@@ -12,12 +13,23 @@
      `simd::sin` / `simd::cos`; x1 * cos - x2 * sin and x1 * sin + x2 * cos, each product
      rounded before the sum (no fused multiply-add: built with -ffp-contract=off).
 
-   CPU only, float32 only: the Python side (`kernel_layers.py`) sends everything else to
-   MLX's own function. */
+   Attention is the kernels library's (`attention.c`), found in the process when that
+   library is preloaded; as a node of the graph, a step no longer stops at each layer to
+   call it from Python (`kernel_attention.py`).
+
+   CPU only, float32 only: the Python side (`kernel_layers.py`, `kernel_attention.py`)
+   sends everything else to MLX's own function. */
+#include <dlfcn.h>
+
 #include <cmath>
+#include <memory>
+#include <new>
+#include <optional>
 #include <stdexcept>
+#include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 
 #include "mlx/allocator.h"
 #include "mlx/ops.h"
@@ -157,6 +169,110 @@ class Rope : public mx::UnaryPrimitive {
     float scale_;
 };
 
+
+/* The kernels library's attention (`attention.c`, preloaded: `native.py`): its arguments,
+   as `struct attention` lays them out, and the function, null where it is not loaded. */
+struct AttentionCall {
+    int batch, heads, kv_heads, queries, keys, dim, vdim, mask_kind;
+    float scale;
+    const float *q, *k, *v;
+    long q_stride[3], k_stride[3], v_stride[3];
+    const void* mask;
+    long mask_stride[4];
+    float* out;
+};
+using attention_fn = int (*)(const AttentionCall*);
+enum { NO_MASK = 0, CAUSAL = 1, BOOL_MASK = 2, ADDITIVE_MASK = 3 };
+constexpr int MAX_QUERIES = 16, MAX_KEYS = 1 << 20;  // as `kernel_attention.py`, `attention.c`
+
+attention_fn kernel_attention() {
+    static attention_fn fn =
+        reinterpret_cast<attention_fn>(dlsym(RTLD_DEFAULT, "mlxcs_attention"));
+    return fn;
+}
+
+/* A 4-D float32 operand as the kernel reads it, its last axis contiguous: the array's own
+   buffer, or where its last axis is strided, a packed copy (`held`), made when the task
+   runs (when `eval_cpu` encodes it, the inputs are not yet computed). */
+struct Operand {
+    const float* data;
+    long stride[4];
+    int shape[4];
+    std::shared_ptr<std::vector<float>> held;
+
+    explicit Operand(const mx::array& a) : data(a.data<float>()) {
+        for (int d = 0; d < 4; d++) stride[d] = a.strides()[d], shape[d] = a.shape(d);
+        if (stride[3] != 1 && shape[3] > 1) held = std::make_shared<std::vector<float>>(a.size());
+    }
+
+    /* The data to read, with its strides in `to` */
+    const float* packed(long to[3]) const {
+        if (!held) {
+            for (int d = 0; d < 3; d++) to[d] = stride[d];
+            return data;
+        }
+        float* out = held->data();
+        for (int i = 0; i < shape[0]; i++)
+            for (int j = 0; j < shape[1]; j++)
+                for (int t = 0; t < shape[2]; t++)
+                    for (int d = 0; d < shape[3]; d++)
+                        *out++ = data[i * stride[0] + j * stride[1] + t * stride[2] + d * stride[3]];
+        to[2] = shape[3], to[1] = static_cast<long>(shape[2]) * to[2];
+        to[0] = static_cast<long>(shape[1]) * to[1];
+        return held->data();
+    }
+};
+
+/* Attention over a few queries a sequence on the kernels library's kernel, as one node of
+   the graph: without it, a step went back to Python to call the kernel on evaluated
+   arrays, an `eval` and a wait for each layer. q (batch, heads, queries, dim); k and v
+   (batch, kv heads, keys, dim | vdim); a mask broadcast to (batch, heads, queries, keys),
+   or none. The kernel's own bits, whichever way it is called. */
+class Attention : public mx::UnaryPrimitive {
+  public:
+    Attention(mx::Stream stream, float scale, int mask_kind)
+        : mx::UnaryPrimitive(stream), scale_(scale), mask_kind_(mask_kind) {}
+
+    void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+        Operand q(inputs[0]), k(inputs[1]), v(inputs[2]);
+        allocate(out);
+        AttentionCall c{};
+        c.batch = inputs[0].shape(0), c.heads = inputs[0].shape(1);
+        c.queries = inputs[0].shape(2), c.dim = inputs[0].shape(3);
+        c.kv_heads = inputs[1].shape(1), c.keys = inputs[1].shape(2);
+        c.vdim = inputs[2].shape(3), c.mask_kind = mask_kind_, c.scale = scale_;
+        if (inputs.size() > 3) {
+            const mx::array& m = inputs[3];
+            int pad = 4 - m.ndim();
+            for (int d = 0; d < 4; d++)
+                c.mask_stride[d] = d < pad || m.shape(d - pad) == 1 ? 0 : m.strides()[d - pad];
+            c.mask = m.data<void>();
+        }
+        c.out = out.data<float>();
+        attention_fn fn = kernel_attention();
+        mx::cpu::get_command_encoder(stream()).dispatch([c, fn, q, k, v]() mutable {
+            c.q = q.packed(c.q_stride), c.k = k.packed(c.k_stride), c.v = v.packed(c.v_stride);
+            /* -1 only where it found no memory for the scores: what MLX's allocator does then */
+            if (fn(&c) != 0) throw std::bad_alloc();
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+        throw std::runtime_error("mlx-cache-server's attention runs on the CPU only");
+    }
+
+    const char* name() const override { return "MlxcsAttention"; }
+
+    bool is_equivalent(const mx::Primitive& other) const override {
+        const Attention& o = static_cast<const Attention&>(other);
+        return scale_ == o.scale_ && mask_kind_ == o.mask_kind_;
+    }
+
+  private:
+    float scale_;
+    int mask_kind_;
+};
+
 mx::Stream cpu_stream() {
     mx::Stream stream = mx::to_stream(mx::StreamOrDevice{});
     if (stream.device != mx::Device::cpu)
@@ -187,6 +303,42 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv
                      {x, offset, inv_freq});
 }
 
+
+bool has_attention() { return kernel_attention() != nullptr; }
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                    std::optional<mx::array> mask, float scale, int mask_kind) {
+    bool shapes = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape(1) > 0 &&
+                  k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) &&
+                  v.shape(1) == k.shape(1) && v.shape(2) == k.shape(2) &&
+                  k.shape(3) == q.shape(3) && q.shape(1) % k.shape(1) == 0 &&
+                  q.shape(2) >= 1 && q.shape(2) <= MAX_QUERIES && q.shape(2) <= k.shape(2) &&
+                  k.shape(2) <= MAX_KEYS;
+    bool types = q.dtype() == mx::float32 && k.dtype() == mx::float32 &&
+                 v.dtype() == mx::float32;
+    bool masked = mask_kind == BOOL_MASK || mask_kind == ADDITIVE_MASK;
+    if (masked) {
+        const mx::array& m = *mask;
+        mx::Shape full = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
+        masked = m.dtype() == (mask_kind == BOOL_MASK ? mx::bool_ : mx::float32) &&
+                 m.ndim() <= 4;
+        for (int d = 0; masked && d < m.ndim(); d++) {
+            int size = m.shape(d), want = full[4 - m.ndim() + d];
+            masked = size == 1 || size == want;
+        }
+    }
+    if (!shapes || !types || (mask_kind != NO_MASK && mask_kind != CAUSAL && !masked) ||
+        (masked != mask.has_value()) || !kernel_attention())
+        throw std::invalid_argument(
+            "attention takes float32 q (batch, heads, 1 to 16 queries, dim), k and v "
+            "(batch, kv heads, keys, dim | vdim), a mask of kind 0 to 3 (an array for 2 and "
+            "3), and the kernels library preloaded");
+    std::vector<mx::array> inputs = {q, k, v};
+    if (masked) inputs.push_back(*mask);
+    return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
+                     std::make_shared<Attention>(cpu_stream(), scale, mask_kind), inputs);
+}
+
 /* The inverse frequencies `mx.fast.rope` computes for `base`, by the same ops. */
 mx::array inv_freq(int dims, float base) {
     int half = dims / 2;
@@ -200,5 +352,8 @@ NB_MODULE(_mlxcs_layers, m) {
     m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
     m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("inv_freq"),
           nb::arg("dims"), nb::arg("traditional"), nb::arg("scale"));
+    m.def("has_attention", &has_attention);
+    m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+          nb::arg("mask").none(), nb::arg("scale"), nb::arg("mask_kind"));
     m.def("inv_freq", &inv_freq, nb::arg("dims"), nb::arg("base"));
 }
