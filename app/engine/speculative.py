@@ -51,7 +51,7 @@ from .sampling import Categorical
 MAX_ROWS, MAX_POSITIONS = 4, 64
 # A pass over P positions a row costs about 1 + (P-1) * (PER_POSITION + PER_ROW * rows)
 # times one over a position a row, on this CPU (`--pass-cost`).
-PER_POSITION, PER_ROW = 0.02, 0.046
+PER_POSITION, PER_ROW = 0.036, 0.053
 
 
 def longest_draft(rows: int) -> int:
