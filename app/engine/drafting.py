@@ -30,6 +30,9 @@ CANDIDATES = 16  # earlier occurrences of the last two tokens compared, latest f
 # each as a single step does.
 MAX_DRAFT = 15
 PAUSE = 16  # steps without drafting after drafts kept failing
+# A match running this far back: the sequence is copying earlier text (a file written back),
+# which drafts as far as the match has run, paused or not.
+COPYING = 8
 # The share of drafted tokens accepted where drafts are made (`python -m bench
 # speculation`): what a stream expects before its own drafts have said otherwise.
 ACCEPTED = 0.75
@@ -52,6 +55,13 @@ class PromptLookup:
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, int], list[int]] = {}
         self.recent = recent or []
+
+    def run(self) -> int:
+        """How far back the best match of the sequence's last tokens runs (0: none)."""
+        seq = self.tokens
+        if len(seq) < MIN_N:
+            return 0
+        return max([_occurrence(self, seq)[1], *(_occurrence(t, seq)[1] for t in self.recent)])
 
     def extend(self, tokens: list[int]) -> None:
         """Append tokens; index the pairs that now end before the last one."""
@@ -114,9 +124,20 @@ class Pace:
     paused: int = 0  # steps left without drafting
     rate: float = ACCEPTED  # the share of its drafted tokens accepted, recent drafts weighing most
 
-    def next_length(self) -> int:
+    def next_length(self, run: int = 0) -> int:
+        """The next draft's length; `run`: how far back the match of the sequence's latest
+        tokens runs (`PromptLookup.run`), which from `COPYING` on is a copy under way. A
+        fresh start (a copy, the end of a pause) expects at least `ACCEPTED` again: the rate
+        only moves with drafts verified, and at a rate the batch rule refuses to draft
+        (`speculative.draft_length`) a stream would never draft again."""
+        if run >= COPYING:
+            self.paused = 0
+            self.rate = max(self.rate, ACCEPTED)
+            return max(self.k, min(MAX_DRAFT, run))
         if self.paused:
             self.paused -= 1
+            if not self.paused:  # a fresh try: the batch rule would refuse it at the old rate
+                self.rate = max(self.rate, ACCEPTED)
             return 0
         return self.k
 

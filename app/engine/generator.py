@@ -32,7 +32,7 @@ from mlx_lm.models.cache import BatchRotatingKVCache
 
 from ..runtime.forward_together import forward_together, logits, supports
 from .draft_model import DraftModel, DraftState
-from .drafting import Pace, PromptLookup
+from .drafting import MAX_DRAFT, Pace, PromptLookup
 from .speculative import can_verify, draft_length, longest_draft, verify
 
 
@@ -119,14 +119,18 @@ class MixedGenerator(BatchGenerator):
         # Every stream's pace counts its step, drafted or not; a plain step is known before
         # the wait for the last step's tokens, which a plain step does not need.
         rooms = [m - n - 1 for m, n in zip(streams.max_tokens, streams._num_tokens, strict=True)]
-        lengths = [min(self._drafting[u][1].next_length(), room, longest)
-                   for u, room in zip(uids, rooms, strict=True)]  # fmt: skip
+        lengths = []
+        for uid, room, tokens in zip(uids, rooms, streams.tokens, strict=True):
+            lookup, pace, _ = self._drafting[uid]
+            lookup.extend(tokens[len(lookup.tokens) :])  # the tokens known without the wait
+            run = lookup.run() if pace.paused or pace.k < MAX_DRAFT else 0
+            lengths.append(min(pace.next_length(run), room, longest))
         if not modelled and max(lengths) <= 0:
             return []
         drafts = []
         for i, (uid, last) in enumerate(zip(uids, streams._next_tokens.tolist(), strict=True)):
             lookup, pace, state = self._drafting[uid]
-            lookup.extend([*streams.tokens[i][len(lookup.tokens) :], last])
+            lookup.extend([last])
             draft = lookup.draft(lengths[i]) if lengths[i] > 0 else []
             if not draft and modelled and rooms[i] > 0:
                 if state is None:

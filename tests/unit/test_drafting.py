@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.engine.drafting import MAX_DRAFT, PAUSE, Pace, PromptLookup
+from app.engine.drafting import COPYING, MAX_DRAFT, PAUSE, Pace, PromptLookup
 
 
 def lookup(tokens: list[int]) -> PromptLookup:
@@ -54,6 +54,48 @@ def test_the_pace_grows_on_success_shrinks_on_failure_and_pauses():
         pace.saw(pace.next_length() or 1, 0)
     assert [pace.next_length() for _ in range(PAUSE)] == [0] * PAUSE
     assert pace.next_length() > 0
+
+
+def test_a_copy_under_way_drafts_as_far_as_its_match_runs_paused_or_not():
+    """Where the latest tokens stand verbatim earlier for `COPYING` tokens or more (a file
+    written back), the pace drafts that far at once, instead of growing from where failed
+    drafts (the reply's own words before the copy) left it."""
+    pace = Pace()
+    for _ in range(3):
+        pace.saw(pace.next_length() or 1, 0)
+    assert pace.next_length(COPYING - 1) == 0  # paused: a short match is no copy
+    assert pace.next_length(COPYING) == max(pace.k, COPYING)
+    assert pace.paused == 0 and pace.next_length() == pace.k  # the pause is over
+    assert pace.next_length(200) == MAX_DRAFT
+
+
+def test_a_stream_whose_drafts_failed_drafts_again_after_its_pause_or_in_a_copy():
+    """Its rate falls with each failed draft and moves only with drafts verified: where the
+    batch rule refuses its drafts at that rate, a fresh start must expect more, or it would
+    never draft again, even in the middle of a copy."""
+    from app.engine.speculative import draft_length
+
+    for fresh_start in ("pause over", "copy"):
+        pace = Pace(k=1, paused=PAUSE, rate=0.05)  # as many failed drafts leave it
+        assert draft_length([MAX_DRAFT], [pace.rate]) == 0  # what it has earned
+        if fresh_start == "copy":
+            length = pace.next_length(COPYING + 4)
+            assert length == COPYING + 4
+        else:
+            assert [pace.next_length() for _ in range(PAUSE)] == [0] * PAUSE
+            length = pace.next_length()
+        assert length > 0 and draft_length([length], [pace.rate]) == length, fresh_start
+
+
+def test_how_far_the_best_match_runs():
+    text = list(range(100, 130))
+    assert lookup([*text, 7, *text[:12]]).run() == 12
+    assert lookup([*text, 7, 8]).run() == 0  # the last two never occurred before
+    assert lookup([5]).run() == 0
+    replies = [lookup([1, 2, *text])]
+    seq = PromptLookup(replies)
+    seq.extend([9, *text[:20]])
+    assert seq.run() == 20  # in a recent reply too
 
 
 def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
