@@ -31,8 +31,9 @@ CANDIDATES = 16  # earlier occurrences of the last two tokens compared, latest f
 MAX_DRAFT = 15
 PAUSE = 16  # steps without drafting after drafts kept failing
 # A match running this far back: the sequence is copying earlier text (a file written back),
-# which drafts as far as the match has run, paused or not.
+# which drafts as far as the match has run.
 COPYING = 8
+FORGET = 32  # steps over which a stream's acceptance rate drifts back to `ACCEPTED`
 # The share of drafted tokens accepted where drafts are made (`python -m bench
 # speculation`): what a stream expects before its own drafts have said otherwise.
 ACCEPTED = 0.75
@@ -126,17 +127,20 @@ class Pace:
 
     def next_length(self, run: int = 0) -> int:
         """The next draft's length; `run`: how far back the match of the sequence's latest
-        tokens runs (`PromptLookup.run`), which from `COPYING` on is a copy under way. A
-        fresh start (a copy, the end of a pause) expects at least `ACCEPTED` again: the rate
-        only moves with drafts verified, and at a rate the batch rule refuses to draft
-        (`speculative.draft_length`) a stream would never draft again."""
-        if run >= COPYING:
-            self.paused = 0
-            self.rate = max(self.rate, ACCEPTED)
+        tokens runs (`PromptLookup.run`), which from `COPYING` on is a copy under way, drafted
+        as far as it has run, unless the last draft failed outright or drafts are paused
+        (text that repeats without going on the same way).
+
+        The rate moves with drafts verified, and at a rate the batch rule refuses to draft
+        (`speculative.draft_length`) a stream would draft no more: each step it drifts back
+        toward `ACCEPTED` (old evidence forgotten, more slowly than a failed draft lowers
+        it), and a pause ends with it there."""
+        self.rate += (ACCEPTED - self.rate) / FORGET
+        if run >= COPYING and not self.failed and not self.paused:
             return max(self.k, min(MAX_DRAFT, run))
         if self.paused:
             self.paused -= 1
-            if not self.paused:  # a fresh try: the batch rule would refuse it at the old rate
+            if not self.paused:  # a fresh try
                 self.rate = max(self.rate, ACCEPTED)
             return 0
         return self.k

@@ -89,7 +89,9 @@ def attention(
     kv_heads, n_k = keys.shape[1], keys.shape[2]
     if _kernel() is None or not 0 < n_q <= min(MAX_QUERIES, n_k) or n_k > MAX_KEYS:
         return None
-    if heads % kv_heads or keys.shape[0] != b:
+    if heads % kv_heads or keys.shape[0] != b or keys.shape[3] != queries.shape[3]:
+        return None
+    if tuple(values.shape[:3]) != (b, kv_heads, n_k):  # MLX's path says what is wrong
         return None
     kind = _mask_kind(mask, (b, heads, n_q, n_k))
     if kind is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.engine.drafting import COPYING, MAX_DRAFT, PAUSE, Pace, PromptLookup
+from app.engine.drafting import ACCEPTED, COPYING, FORGET, MAX_DRAFT, PAUSE, Pace, PromptLookup
 
 
 def lookup(tokens: list[int]) -> PromptLookup:
@@ -56,35 +56,42 @@ def test_the_pace_grows_on_success_shrinks_on_failure_and_pauses():
     assert pace.next_length() > 0
 
 
-def test_a_copy_under_way_drafts_as_far_as_its_match_runs_paused_or_not():
+def test_a_copy_under_way_drafts_as_far_as_its_match_runs():
     """Where the latest tokens stand verbatim earlier for `COPYING` tokens or more (a file
     written back), the pace drafts that far at once, instead of growing from where failed
-    drafts (the reply's own words before the copy) left it."""
-    pace = Pace()
-    for _ in range(3):
-        pace.saw(pace.next_length() or 1, 0)
-    assert pace.next_length(COPYING - 1) == 0  # paused: a short match is no copy
-    assert pace.next_length(COPYING) == max(pace.k, COPYING)
-    assert pace.paused == 0 and pace.next_length() == pace.k  # the pause is over
+    drafts (the reply's own words before the copy) left it; not right after a draft that
+    failed outright, nor in a pause (repeated text that does not go on the same way)."""
+    pace = Pace(k=2)
+    assert pace.next_length(COPYING - 1) == 2  # a short match is no copy
+    assert pace.next_length(COPYING) == COPYING
     assert pace.next_length(200) == MAX_DRAFT
+    pace.saw(MAX_DRAFT, 0)
+    assert pace.next_length(200) == pace.k < MAX_DRAFT
+    while not pace.paused:
+        pace.saw(pace.next_length() or 1, 0)
+    assert pace.next_length(200) == 0
 
 
-def test_a_stream_whose_drafts_failed_drafts_again_after_its_pause_or_in_a_copy():
+def test_a_stream_whose_drafts_failed_drafts_again():
     """Its rate falls with each failed draft and moves only with drafts verified: where the
-    batch rule refuses its drafts at that rate, a fresh start must expect more, or it would
-    never draft again, even in the middle of a copy."""
+    batch rule refuses its drafts at that rate, it must recover, or the stream would never
+    draft again (an edit whose reply opened with its own words copied the whole file back
+    one token a step)."""
     from app.engine.speculative import draft_length
 
-    for fresh_start in ("pause over", "copy"):
-        pace = Pace(k=1, paused=PAUSE, rate=0.05)  # as many failed drafts leave it
-        assert draft_length([MAX_DRAFT], [pace.rate]) == 0  # what it has earned
-        if fresh_start == "copy":
-            length = pace.next_length(COPYING + 4)
-            assert length == COPYING + 4
-        else:
-            assert [pace.next_length() for _ in range(PAUSE)] == [0] * PAUSE
-            length = pace.next_length()
-        assert length > 0 and draft_length([length], [pace.rate]) == length, fresh_start
+    pace = Pace(k=1, paused=PAUSE, rate=0.05)  # as many failed drafts leave it
+    assert draft_length([MAX_DRAFT], [pace.rate]) == 0
+    assert [pace.next_length() for _ in range(PAUSE)] == [0] * PAUSE
+    length = pace.next_length()
+    assert length > 0 and pace.rate >= ACCEPTED  # a fresh try, as a new stream's
+    for rows in (1, 2):  # never paused, its drafts refused: it forgets, slowly
+        pace, steps = Pace(k=4, rate=0.05), 0
+        while steps < 4 * FORGET and not draft_length(
+            [pace.next_length(), *[0] * (rows - 1)], [pace.rate] * rows
+        ):
+            steps += 1
+        assert steps < 2 * FORGET, rows
+        assert steps > FORGET // 8 or rows == 1  # alone a pass is cheap: it tries soon
 
 
 def test_how_far_the_best_match_runs():

@@ -317,6 +317,8 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
     bool types = q.dtype() == mx::float32 && k.dtype() == mx::float32 &&
                  v.dtype() == mx::float32;
     bool masked = mask_kind == BOOL_MASK || mask_kind == ADDITIVE_MASK;
+    if (masked != mask.has_value())
+        throw std::invalid_argument("attention takes a mask array with kinds 2 and 3 only");
     if (masked) {
         const mx::array& m = *mask;
         mx::Shape full = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
@@ -328,7 +330,7 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
         }
     }
     if (!shapes || !types || (mask_kind != NO_MASK && mask_kind != CAUSAL && !masked) ||
-        (masked != mask.has_value()) || !kernel_attention())
+        !kernel_attention())
         throw std::invalid_argument(
             "attention takes float32 q (batch, heads, 1 to 16 queries, dim), k and v "
             "(batch, kv heads, keys, dim | vdim), a mask of kind 0 to 3 (an array for 2 and "
