@@ -25,6 +25,9 @@ accepted (from /metrics); and whether the replies are identical across servers.
 
     python bench/speculation.py [--tokens 400] [--rounds 2] [--servers ours,llama:ngram-simple]
 
+The plot (`--out` with .png: each workload's tokens/s by server) is drawn after a run, and
+from a saved result with `--report`.
+
 `--pass-cost` measures instead what the batch rule in `app/engine/speculative.py` rests on:
 one forward pass of the default model over B rows of P positions each at 1,500 tokens of
 context, in-process, against P=1 (median of 10 passes; printed, no result file).
@@ -157,6 +160,36 @@ def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)
         print(f"B={b}  " + "  ".join(cells), flush=True)
 
 
+LABELS = {"ours": "ours", "ours-plain": "ours, no speculation", "peer": "mlx_lm.server",
+          "llama:none": "llama.cpp"}  # fmt: skip
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Each workload's median decode tokens/s by server, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in WORKLOADS if w in summary]
+    servers = list(summary[workloads[0]]["tokens_per_s"])
+    width = 0.8 / len(servers)
+    highest = max(v for w in workloads for v in summary[w]["tokens_per_s"].values())
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    ax.set_ylim(0, highest * 1.4)  # the legend above the bars
+    for i, server in enumerate(servers):
+        values = [summary[w]["tokens_per_s"][server] for w in workloads]
+        ax.bar([x + (i - (len(servers) - 1) / 2) * width for x in range(len(workloads))],
+               values, width, label=LABELS.get(server, server.replace(":", " ")))  # fmt: skip
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylabel("decode tokens/s per stream (median)")
+    ax.set_title("Speculative decoding: the default model, greedy, each server alone in turn")
+    ax.legend(fontsize=8, ncol=4, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400)
@@ -169,7 +202,11 @@ def main() -> None:
     ap.add_argument("--llama-gguf", help="the default model as an F32 gguf")
     ap.add_argument("--llama-spec", default="ngram-simple,ngram-map-k,ngram-mod")
     ap.add_argument("--llama-threads", type=int, default=2)
+    ap.add_argument("--report", action="store_true", help="plot --out again, run nothing")
     args = ap.parse_args()
+    if args.report:
+        plot(json.loads(args.out.read_text())["summary"], args.out.with_suffix(".png"))
+        return
     if args.pass_cost:
         pass_cost()
         return
@@ -228,6 +265,8 @@ def main() -> None:
         d = results["ours"]["drafts"]
         summary["drafted"], summary["accepted"] = d.get("drafted"), d.get("accepted")
     args.out.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    if summary:
+        plot(summary, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
 
 
