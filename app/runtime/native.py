@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCES = ("pool.c", "gemm.c", "attention.c")
-HEADERS = ("pool.h", "vec.h")
+HEADERS = ("pool.h", "vec.h", "attention.h")
 NAME = "libmlx_cache_server_kernels.so"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=gnu11")
 DISABLE = "MLX_CACHE_SERVER_NO_KERNELS"  # set: MLX's own path, as without a compiler
@@ -174,7 +174,8 @@ def _load_layers() -> ModuleType | None:
     nb = Path(nanobind.source_dir()).parent
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     versions = (mx.__version__, nanobind.__version__, sys.version, *LAYERS_FLAGS)
-    target = cache_root() / _key(compiler, (LAYERS,), versions) / (LAYERS_MODULE + suffix)
+    key = _key(compiler, (LAYERS, "attention.h"), versions)  # it includes that header
+    target = cache_root() / key / (LAYERS_MODULE + suffix)
     if not target.exists():
         partial = target.with_name(f"{LAYERS_MODULE}.{os.getpid()}.tmp")
         includes = [nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]

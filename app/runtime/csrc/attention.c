@@ -19,25 +19,12 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "attention.h"
 #include "pool.h"
 #include "vec.h"
 
-enum { NO_MASK = 0, CAUSAL = 1, BOOL_MASK = 2, ADDITIVE_MASK = 3 };
-#define MAX_KEYS (1 << 20)
 #define KEY_BLOCK 64 /* keys (and values) a block of rows goes past while they are in L1 */
 #define ROW_CHUNK 8  /* rows of a unit: their scores are held at once */
-
-/* Strides in elements; the last dimension (dim, vdim, keys) is contiguous except the
-   mask's, whose strides are all given (0 where it broadcasts). */
-struct attention {
-    int batch, heads, kv_heads, queries, keys, dim, vdim, mask_kind;
-    float scale;
-    const float *q, *k, *v;
-    long q_stride[3], k_stride[3], v_stride[3];
-    const void *mask;
-    long mask_stride[4];
-    float *out; /* (batch, heads, queries, vdim), contiguous */
-};
 
 /* Lanes h..2h-1 of each 2h-lane chunk of a and b exchanged: one step of transposing 16
    rows of 16 lanes, whose four steps (h = 8, 4, 2, 1) leave row d holding lane d of
@@ -276,8 +263,6 @@ static void units(const void *task, int share) {
     }
 }
 
-/* 0, or -1 where this does not compute it (the caller takes MLX's path): shapes it does
-   not take, or no memory for the scores */
 int mlxcs_attention(const struct attention *a) {
     if (a->kv_heads < 1 || a->heads % a->kv_heads || a->keys < 1 || a->keys > MAX_KEYS ||
         a->queries < 1 || a->queries > a->keys || a->mask_kind < 0 || a->mask_kind > 3)

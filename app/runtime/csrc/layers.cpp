@@ -39,6 +39,10 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+extern "C" {
+#include "attention.h"
+}
+
 namespace mx = mlx::core;
 namespace nb = nanobind;
 
@@ -170,20 +174,10 @@ class Rope : public mx::UnaryPrimitive {
 };
 
 
-/* The kernels library's attention (`attention.c`, preloaded: `native.py`): its arguments,
-   as `struct attention` lays them out, and the function, null where it is not loaded. */
-struct AttentionCall {
-    int batch, heads, kv_heads, queries, keys, dim, vdim, mask_kind;
-    float scale;
-    const float *q, *k, *v;
-    long q_stride[3], k_stride[3], v_stride[3];
-    const void* mask;
-    long mask_stride[4];
-    float* out;
-};
-using attention_fn = int (*)(const AttentionCall*);
-enum { NO_MASK = 0, CAUSAL = 1, BOOL_MASK = 2, ADDITIVE_MASK = 3 };
-constexpr int MAX_QUERIES = 16, MAX_KEYS = 1 << 20;  // as `kernel_attention.py`, `attention.c`
+/* The kernels library's attention (`attention.c`, preloaded: `native.py`), null where it
+   is not loaded. */
+using attention_fn = int (*)(const struct attention*);
+constexpr int MAX_QUERIES = 16;  // as `kernel_attention.py`
 
 attention_fn kernel_attention() {
     static attention_fn fn =
@@ -236,7 +230,7 @@ class Attention : public mx::UnaryPrimitive {
     void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
         Operand q(inputs[0]), k(inputs[1]), v(inputs[2]);
         allocate(out);
-        AttentionCall c{};
+        struct attention c{};
         c.batch = inputs[0].shape(0), c.heads = inputs[0].shape(1);
         c.queries = inputs[0].shape(2), c.dim = inputs[0].shape(3);
         c.kv_heads = inputs[1].shape(1), c.keys = inputs[1].shape(2);
@@ -306,8 +300,8 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv
 
 bool has_attention() { return kernel_attention() != nullptr; }
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                    std::optional<mx::array> mask, float scale, int mask_kind) {
+mx::array attention_node(const mx::array& q, const mx::array& k, const mx::array& v,
+                         std::optional<mx::array> mask, float scale, int mask_kind) {
     bool shapes = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape(1) > 0 &&
                   k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) &&
                   v.shape(1) == k.shape(1) && v.shape(2) == k.shape(2) &&
@@ -355,7 +349,7 @@ NB_MODULE(_mlxcs_layers, m) {
     m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("inv_freq"),
           nb::arg("dims"), nb::arg("traditional"), nb::arg("scale"));
     m.def("has_attention", &has_attention);
-    m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+    m.def("attention", &attention_node, nb::arg("q"), nb::arg("k"), nb::arg("v"),
           nb::arg("mask").none(), nb::arg("scale"), nb::arg("mask_kind"));
     m.def("inv_freq", &inv_freq, nb::arg("dims"), nb::arg("base"));
 }
