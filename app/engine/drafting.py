@@ -57,12 +57,14 @@ class PromptLookup:
         self.ends: dict[tuple[int, int], list[int]] = {}
         self.recent = recent or []
 
-    def run(self) -> int:
-        """How far back the best match of the sequence's last tokens runs (0: none)."""
+    def run(self, most: int = MAX_N) -> int:
+        """How far back the best match of the sequence's last tokens runs, up to `most`
+        (0: none); a pace reads no further than its longest draft (`Pace.next_length`)."""
         seq = self.tokens
         if len(seq) < MIN_N:
             return 0
-        return max([_occurrence(self, seq)[1], *(_occurrence(t, seq)[1] for t in self.recent)])
+        texts = [self, *self.recent]
+        return max(_occurrence(text, seq, most)[1] for text in texts)
 
     def extend(self, tokens: list[int]) -> None:
         """Append tokens; index the pairs that now end before the last one."""
@@ -94,15 +96,15 @@ class PromptLookup:
         return [seq[best + i % period] for i in range(k)] if period < k else seq[best : best + k]
 
 
-def _occurrence(text: PromptLookup, seq: list[int]) -> tuple[int | None, int]:
+def _occurrence(text: PromptLookup, seq: list[int], most: int = MAX_N) -> tuple[int | None, int]:
     """Of the latest `CANDIDATES` places in `text` where `seq`'s last two tokens end, the
-    one whose match runs furthest back (up to MAX_N), the latest of those; and that run."""
+    one whose match runs furthest back (up to `most`), the latest of those; and that run."""
     best, best_run = None, 0
     for end in reversed(text.ends.get((seq[-2], seq[-1]), [])[-CANDIDATES:]):
-        run = _run(text.tokens, end, seq, MAX_N)
+        run = _run(text.tokens, end, seq, most)
         if run > best_run:
             best, best_run = end, run
-        if run == MAX_N:
+        if run == most:
             break
     return best, best_run
 

@@ -123,7 +123,7 @@ class MixedGenerator(BatchGenerator):
         for uid, room, tokens in zip(uids, rooms, streams.tokens, strict=True):
             lookup, pace, _ = self._drafting[uid]
             lookup.extend(tokens[len(lookup.tokens) :])  # the tokens known without the wait
-            run = lookup.run() if not pace.paused and pace.k < MAX_DRAFT else 0
+            run = lookup.run(MAX_DRAFT) if not pace.paused and pace.k < MAX_DRAFT else 0
             lengths.append(min(pace.next_length(run), room, longest))
         if not modelled and max(lengths) <= 0:
             return []

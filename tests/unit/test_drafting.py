@@ -97,6 +97,7 @@ def test_a_stream_whose_drafts_failed_drafts_again():
 def test_how_far_the_best_match_runs():
     text = list(range(100, 130))
     assert lookup([*text, 7, *text[:12]]).run() == 12
+    assert lookup([*text, 7, *text[:12]]).run(most=5) == 5  # as far as the caller reads
     assert lookup([*text, 7, 8]).run() == 0  # the last two never occurred before
     assert lookup([5]).run() == 0
     replies = [lookup([1, 2, *text])]
