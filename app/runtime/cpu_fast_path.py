@@ -1,6 +1,7 @@
 """The CPU fast path on a model: attention, SwiGLU and logprobs through numpy, a few
-queries' attention on our kernel where it is preloaded (`kernel_attention`), and RoPE
-and RMSNorm as one MLX op each where our extension builds (`kernel_layers`).
+queries' attention on our kernel where it is preloaded (`kernel_attention`), RoPE
+and RMSNorm as one MLX op each where our extension builds (`kernel_layers`), and a Llama
+block's work around attention as two (`kernel_block`).
 
 One place for what the engine installs on MLX's CPU device, so that benchmarks measuring
 "as the server runs" install the same (`cpu_attention`, `cpu_activations`, `cpu_logprobs`
@@ -11,15 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import cpu_activations, cpu_attention, cpu_logprobs, kernel_layers
+from . import cpu_activations, cpu_attention, cpu_logprobs, kernel_block, kernel_layers
 
 
 def install(model: Any) -> bool:
     """Route `model`'s attention and SwiGLU, and mlx-lm's logprobs, through numpy, and its
-    RoPE and RMSNorm through our primitives; False if the model's attention could not be
-    routed (the rest is installed either way)."""
+    RoPE, RMSNorm and Llama blocks through our primitives; False if the model's attention
+    could not be routed (the rest is installed either way)."""
     attention = cpu_attention.install(model)
     cpu_activations.install(model)
     cpu_logprobs.install()
     kernel_layers.install(model)
+    kernel_block.install(model)
     return attention

@@ -49,7 +49,8 @@ def supports(model: Any) -> bool:
     if getattr(inner, "pipeline_size", 1) != 1:
         return False  # split by layers over processes: its pass hands hidden states on
     return all(
-        type(layer) is module.TransformerBlock and type(layer.self_attn) is module.Attention
+        module.TransformerBlock in (type(layer), getattr(type(layer), "computes_as", None))
+        and type(layer.self_attn) is module.Attention
         for layer in layers
     )
 

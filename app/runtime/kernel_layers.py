@@ -36,20 +36,26 @@ class RoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if not enabled or x.dtype != mx.float32 or x.ndim != 4:
             return super().__call__(x, offset)
-        if isinstance(offset, mx.array):
-            if (
-                offset.ndim > 1
-                or offset.size not in (1, x.shape[0])
-                or not mx.issubdtype(offset.dtype, mx.integer)
-            ):
-                return super().__call__(x, offset)  # MLX's error
-            # a cache's offsets are already int32 (batch,): no extra node for them
-            first = offset if offset.ndim == 1 else offset.reshape(1)
-            if first.dtype != mx.int32:
-                first = first.astype(mx.int32)
-        else:
-            first = mx.array([offset], mx.int32)
+        first = first_positions(offset, x.shape[0])
+        if first is None:
+            return super().__call__(x, offset)  # MLX's error
         return self._ops.rope(x, first, self._inv_freq, self.dims, self.traditional, self.scale)
+
+
+def first_positions(offset: int | mx.array, batch: int) -> mx.array | None:
+    """A RoPE offset as the primitives take it: int32, one element or one a row; None for
+    an offset MLX's RoPE would refuse."""
+    if not isinstance(offset, mx.array):
+        return mx.array([offset], mx.int32)
+    if (
+        offset.ndim > 1
+        or offset.size not in (1, batch)
+        or not mx.issubdtype(offset.dtype, mx.integer)
+    ):
+        return None
+    # a cache's offsets are already int32 (batch,): no extra node for them
+    first = offset if offset.ndim == 1 else offset.reshape(1)
+    return first if first.dtype == mx.int32 else first.astype(mx.int32)
 
 
 class RMSNorm(nn.RMSNorm):

@@ -37,6 +37,8 @@ DISABLE = "MLX_CACHE_SERVER_NO_KERNELS"  # set: MLX's own path, as without a com
 problem: str | None = None  # why the kernels are not built, once a build was tried
 
 LAYERS = "layers.cpp"
+LAYERS_SOURCES = (LAYERS, "block.cpp")  # one extension module; its headers below
+LAYERS_HEADERS = ("layers.h", "attention.h")
 LAYERS_MODULE = "_mlxcs_layers"  # NB_MODULE's name in it
 LAYERS_FLAGS = (
     "-O2", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden",
@@ -174,7 +176,7 @@ def _load_layers() -> ModuleType | None:
     nb = Path(nanobind.source_dir()).parent
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     versions = (mx.__version__, nanobind.__version__, sys.version, *LAYERS_FLAGS)
-    key = _key(compiler, (LAYERS, "attention.h"), versions)  # it includes that header
+    key = _key(compiler, (*LAYERS_SOURCES, *LAYERS_HEADERS), versions)
     target = cache_root() / key / (LAYERS_MODULE + suffix)
     if not target.exists():
         partial = target.with_name(f"{LAYERS_MODULE}.{os.getpid()}.tmp")
@@ -182,7 +184,7 @@ def _load_layers() -> ModuleType | None:
         cmd = [
             compiler, *LAYERS_FLAGS, *(f"-I{d}" for d in includes),
             f"-I{sysconfig.get_paths()['include']}", "-o", str(partial),
-            str(nb / "src" / "nb_combined.cpp"), str(_csrc() / LAYERS),
+            str(nb / "src" / "nb_combined.cpp"), *(str(_csrc() / f) for f in LAYERS_SOURCES),
             f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
         ]  # fmt: skip
         layers_problem = _build(cmd, partial, target)

@@ -31,14 +31,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 
-#include "mlx/allocator.h"
-#include "mlx/ops.h"
-#include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/backend/cpu/simd/simd.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
-#include "mlx/utils.h"
 
+#include "layers.h"
 extern "C" {
 #include "attention.h"
 }
@@ -48,22 +45,8 @@ namespace nb = nanobind;
 
 namespace {
 
-void allocate(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
-
-/* Where each row (the last axis) of x starts, in elements, whatever its strides. */
-std::vector<long> row_starts(const mx::array& x) {
-    long rows = x.shape(-1) ? x.size() / x.shape(-1) : 0;
-    std::vector<long> starts(rows);
-    for (long r = 0; r < rows; r++) {
-        long rest = r, at = 0;
-        for (int d = x.ndim() - 2; d >= 0; d--) {
-            at += (rest % x.shape(d)) * x.strides()[d];
-            rest /= x.shape(d);
-        }
-        starts[r] = at;
-    }
-    return starts;
-}
+using mlxcs::allocate;
+using mlxcs::cpu_stream;
 
 class RmsNorm : public mx::UnaryPrimitive {
   public:
@@ -78,16 +61,10 @@ class RmsNorm : public mx::UnaryPrimitive {
         long wstep = weight.strides()[0];
         float* o = out.data<float>();
         long n = x.shape(-1), step = x.strides().back();
-        float eps = eps_, inverse_n = static_cast<float>(1.0 / static_cast<double>(n));
-        mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
-            for (size_t r = 0; r < starts.size(); r++) {
-                const float* a = xs + starts[r];
-                float* b = o + r * n;
-                float sum = 0.0f;
-                for (long i = 0; i < n; i++) sum += a[i * step] * a[i * step];
-                float k = 1.0f / std::sqrt(sum * inverse_n + eps);
-                for (long i = 0; i < n; i++) b[i] = (a[i * step] * k) * w[i * wstep];
-            }
+        float eps = eps_;
+        mx::cpu::get_command_encoder(stream()).dispatch([=, starts = mlxcs::row_starts(x)]() {
+            for (size_t r = 0; r < starts.size(); r++)
+                mlxcs::rms_norm_row(xs + starts[r], step, w, wstep, n, eps, o + r * n);
         });
     }
 
@@ -134,22 +111,12 @@ class Rope : public mx::UnaryPrimitive {
                     float position = (static_cast<float>(t) +
                                       static_cast<float>(first[one_offset ? 0 : b])) *
                                      scale;
-                    for (int i = 0; i < half; i++) {
-                        mx::simd::Simd<float, 1> theta(position * inv[i]);
-                        cosines[i] = mx::simd::cos(theta).value;
-                        sines[i] = mx::simd::sin(theta).value;
-                    }
+                    mlxcs::rope_angles(position, inv, half, cosines.data(), sines.data());
                     for (int h = 0; h < heads; h++) {
                         const float* a = xs + b * s0 + h * s1 + t * s2;
                         float* r = o + ((static_cast<long>(b) * heads + h) * positions + t) * size;
-                        for (int i = 0; i < half; i++) {
-                            int i1 = traditional ? 2 * i : i;
-                            int i2 = traditional ? 2 * i + 1 : i + half;
-                            float x1 = a[i1 * s3], x2 = a[i2 * s3], c = cosines[i], s = sines[i];
-                            r[i1] = x1 * c - x2 * s;
-                            r[i2] = x1 * s + x2 * c;
-                        }
-                        for (int i = 2 * half; i < size; i++) r[i] = a[i * s3];
+                        mlxcs::rope_row(a, s3, r, size, half, traditional, cosines.data(),
+                                        sines.data());
                     }
                 }
             }
@@ -267,13 +234,6 @@ class Attention : public mx::UnaryPrimitive {
     int mask_kind_;
 };
 
-mx::Stream cpu_stream() {
-    mx::Stream stream = mx::to_stream(mx::StreamOrDevice{});
-    if (stream.device != mx::Device::cpu)
-        throw std::invalid_argument("mlx-cache-server's layers run on the CPU only");
-    return stream;
-}
-
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
     if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || weight.ndim() != 1 ||
         x.ndim() == 0 || weight.shape(0) != x.shape(-1))
@@ -352,4 +312,5 @@ NB_MODULE(_mlxcs_layers, m) {
     m.def("attention", &attention_node, nb::arg("q"), nb::arg("k"), nb::arg("v"),
           nb::arg("mask").none(), nb::arg("scale"), nb::arg("mask_kind"));
     m.def("inv_freq", &inv_freq, nb::arg("dims"), nb::arg("base"));
+    mlxcs::define_block(m);
 }

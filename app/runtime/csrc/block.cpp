@@ -1,0 +1,330 @@
+/* A Llama block's work before and after attention as two MLX primitives on the CPU.
+
+   mlx-lm's `llama.TransformerBlock` is some fifty graph nodes: each projection a
+   transpose, a flatten, a product and an unflatten; the reshapes and transposes of q, k
+   and v; RoPE, two norms, SwiGLU, two residual adds. On the CPU each node is an
+   allocation and a task on the stream's thread, the pool's worker idle beside it, and the
+   Python thread building them takes a core from the two that run them. Here the block is
+   two nodes around the cache's update and attention, which stay the model's own calls:
+
+   - `block_input`: RMSNorm, the q, k and v projections, RoPE on q and k; q, k and v come
+     out (batch, heads, positions, size), as the model's transposes leave them.
+   - `block_output`: the o projection, the residual, RMSNorm, gate and up, SwiGLU, down,
+     the residual.
+
+   Each part is the arithmetic of the node it stands for, in its order, so the block's
+   output has the same bits: RMSNorm and RoPE are `layers.h`'s, as in their own nodes;
+   every product is `cblas_sgemm` called as MLX's matmul calls it for `x @ w.T` (the
+   kernels library's where it is preloaded); SwiGLU is `silu(gate) * up` with MLX's CPU
+   sigmoid, its `simd::exp` included.
+
+   float32 only; the weights row-contiguous and without biases (`kernel_block.py` swaps
+   only such blocks and sends anything else to the model's own call). */
+#include <dlfcn.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#include "layers.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/transforms.h"
+
+namespace mlxcs {
+namespace {
+
+namespace nb = nanobind;
+
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
+                          int, float, float*, int);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+/* `cblas_sgemm` as MLX's matmul finds it: the kernels library's where it is preloaded */
+sgemm_fn sgemm() {
+    static sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+    return fn;
+}
+
+/* rows (m, k) times w (n, k) transposed, into out (m, n) */
+void product(sgemm_fn f, const float* rows, int m, int k, const float* w, int n, float* out) {
+    f(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0f, rows, k, w, k, 0.0f, out, n);
+}
+
+/* Sixteen floats through GCC's vector extensions; the polynomial's fused multiply-adds
+   by the CPU's instruction (each lane rounded once, as `std::fma`). */
+typedef float f16 __attribute__((vector_size(64)));
+typedef int i16 __attribute__((vector_size(64)));
+typedef float f8 __attribute__((vector_size(32)));
+typedef int i8 __attribute__((vector_size(32)));
+typedef double d8 __attribute__((vector_size(64)));
+
+inline f16 fma16(f16 a, f16 b, f16 c) {
+#if defined(__AVX512F__)
+    return (f16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    for (int l = 0; l < 16; l++) a[l] = std::fma(a[l], b[l], c[l]);
+    return a;
+#endif
+}
+
+/* floor(x + 0.5) in double, for x >= 0 (or NaN, or past 200, where `sigmoid16` does not
+   use it: 200): the truncation */
+inline i8 rounded8(f8 x) {
+    d8 d = __builtin_convertvector(x, d8) + 0.5;
+    return __builtin_convertvector(d < 200.0 ? d : 200.0 + (d8){}, i8);
+}
+
+/* MLX's CPU sigmoid (`unary_ops.h`), 1 / (1 + exp(|x|)) or 1 minus that for x >= 0, with
+   its scalar `simd::exp` (`simd/math.h`) lane by lane: floor(x + 0.5) taken in double,
+   the polynomial by fused multiply-adds, NaN kept, infinite past 88. */
+inline f16 sigmoid16(f16 g) {
+    f16 x_init = (f16)((i16)g & 0x7fffffff), x = x_init * 1.442695f;
+    i8 low = rounded8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+    i8 high = rounded8(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    i16 ipart = __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                        14, 15);
+    f16 f = x - __builtin_convertvector(ipart, f16), zero = {};
+    f16 p = fma16(zero + 1.535336188319500e-4f, f, zero + 1.339887440266574e-3f);
+    p = fma16(p, f, zero + 9.618437357674640e-3f);
+    p = fma16(p, f, zero + 5.550332471162809e-2f);
+    p = fma16(p, f, zero + 2.402264791363012e-1f);
+    p = fma16(p, f, zero + 6.931472028550421e-1f);
+    p = fma16(p, f, zero + 1.000000000000000f);
+    f16 e = (f16)((ipart + 127) << 23) * p;
+    e = x_init != x_init ? x_init : e;
+    e = x_init > 88.0f ? zero + INFINITY : e;
+    f16 y = 1.0f / (1.0f + e);
+    return g < 0.0f ? y : 1.0f - y;
+}
+
+/* gate = silu(gate) * up, as mlx-lm's `swiglu`: gate * sigmoid(gate), then times up */
+void swiglu(float* gate, const float* up, long n) {
+    for (long i = 0; i < n; i += 16) {
+        f16 g = {}, u = {};
+        int lanes = n - i < 16 ? static_cast<int>(n - i) : 16;
+        std::memcpy(&g, gate + i, sizeof(float) * lanes);
+        std::memcpy(&u, up + i, sizeof(float) * lanes);
+        f16 r = (g * sigmoid16(g)) * u;
+        std::memcpy(gate + i, &r, sizeof(float) * lanes);
+    }
+}
+
+bool weight_ok(const mx::array& w, int rows, int columns) {
+    return w.dtype() == mx::float32 && w.ndim() == 2 && w.shape(0) == rows &&
+           w.shape(1) == columns && w.is_available() && w.flags().row_contiguous;
+}
+
+class BlockInput : public mx::Primitive {
+  public:
+    BlockInput(mx::Stream stream, float eps, int heads, int kv_heads, int dims, bool traditional,
+               float scale)
+        : mx::Primitive(stream), eps_(eps), heads_(heads), kv_heads_(kv_heads), dims_(dims),
+          traditional_(traditional), scale_(scale) {}
+
+    void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+        const mx::array &x = in[0], &norm = in[1], &offset = in[5];
+        for (mx::array& o : out) allocate(o);
+        int batch = x.shape(0), length = x.shape(1), width = x.shape(2);
+        int nq = in[2].shape(0), nk = in[3].shape(0), nv = in[4].shape(0);
+        int heads = heads_, kv_heads = kv_heads_, qd = nq / heads, kd = nk / kv_heads,
+            vd = nv / kv_heads, half = dims_ / 2;
+        const float *xs = x.data<float>(), *w = norm.data<float>();
+        const float *wq = in[2].data<float>(), *wk = in[3].data<float>(),
+                    *wv = in[4].data<float>(), *inv = in[6].data<float>();
+        const int* first = offset.data<int>();
+        bool one_offset = offset.size() == 1, traditional = traditional_;
+        long step = x.strides()[2], wstep = norm.strides()[0];
+        float *qs = out[0].data<float>(), *ks = out[1].data<float>(), *vs = out[2].data<float>();
+        float eps = eps_, scale = scale_;
+        sgemm_fn f = sgemm();
+        mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
+            long rows = static_cast<long>(batch) * length;
+            std::vector<float> normed(rows * width), q(rows * nq), k(rows * nk), v(rows * nv);
+            for (long r = 0; r < rows; r++)
+                rms_norm_row(xs + starts[r], step, w, wstep, width, eps, &normed[r * width]);
+            product(f, normed.data(), rows, width, wq, nq, q.data());
+            product(f, normed.data(), rows, width, wk, nk, k.data());
+            product(f, normed.data(), rows, width, wv, nv, v.data());
+            std::vector<float> cosines(half), sines(half);
+            for (int b = 0; b < batch; b++)
+                for (int t = 0; t < length; t++) {
+                    float position = (static_cast<float>(t) +
+                                      static_cast<float>(first[one_offset ? 0 : b])) *
+                                     scale;
+                    rope_angles(position, inv, half, cosines.data(), sines.data());
+                    long r = static_cast<long>(b) * length + t;
+                    for (int h = 0; h < heads; h++)
+                        rope_row(&q[r * nq + h * qd], 1,
+                                 qs + ((static_cast<long>(b) * heads + h) * length + t) * qd, qd,
+                                 half, traditional, cosines.data(), sines.data());
+                    for (int h = 0; h < kv_heads; h++) {
+                        long at = (static_cast<long>(b) * kv_heads + h) * length + t;
+                        rope_row(&k[r * nk + h * kd], 1, ks + at * kd, kd, half, traditional,
+                                 cosines.data(), sines.data());
+                        std::memcpy(vs + at * vd, &v[r * nv + h * vd], sizeof(float) * vd);
+                    }
+                }
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+        throw std::runtime_error("mlx-cache-server's block runs on the CPU only");
+    }
+
+    const char* name() const override { return "MlxcsBlockInput"; }
+
+    bool is_equivalent(const mx::Primitive& other) const override {
+        const BlockInput& o = static_cast<const BlockInput&>(other);
+        return eps_ == o.eps_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
+               dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+    }
+
+  private:
+    float eps_;
+    int heads_, kv_heads_, dims_;
+    bool traditional_;
+    float scale_;
+};
+
+class BlockOutput : public mx::UnaryPrimitive {
+  public:
+    BlockOutput(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+
+    void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+        const mx::array &x = in[0], &a = in[1];
+        allocate(out);
+        int batch = x.shape(0), length = x.shape(1), width = x.shape(2);
+        int heads = a.shape(1), vd = a.shape(3), hidden = in[4].shape(0);
+        long as[4] = {a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
+        const float *xs = x.data<float>(), *attended = a.data<float>();
+        const float *wo = in[2].data<float>(), *w = in[3].data<float>(),
+                    *wg = in[4].data<float>(), *wu = in[5].data<float>(),
+                    *wd = in[6].data<float>();
+        long step = x.strides()[2], wstep = in[3].strides()[0];
+        float* o = out.data<float>();
+        float eps = eps_;
+        sgemm_fn f = sgemm();
+        mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
+            long rows = static_cast<long>(batch) * length, nh = static_cast<long>(heads) * vd;
+            std::vector<float> joined(rows * nh), h(rows * width), normed(rows * width);
+            for (int b = 0; b < batch; b++)
+                for (int t = 0; t < length; t++)
+                    for (int j = 0; j < heads; j++) {
+                        const float* from = attended + b * as[0] + j * as[1] + t * as[2];
+                        float* to = &joined[(static_cast<long>(b) * length + t) * nh + j * vd];
+                        for (int d = 0; d < vd; d++) to[d] = from[d * as[3]];
+                    }
+            product(f, joined.data(), rows, nh, wo, width, h.data());
+            for (long r = 0; r < rows; r++) {
+                float* hr = &h[r * width];
+                for (int i = 0; i < width; i++) hr[i] = xs[starts[r] + i * step] + hr[i];
+                rms_norm_row(hr, 1, w, wstep, width, eps, &normed[r * width]);
+            }
+            std::vector<float> gate(rows * hidden), up(rows * hidden);
+            product(f, normed.data(), rows, width, wg, hidden, gate.data());
+            product(f, normed.data(), rows, width, wu, hidden, up.data());
+            swiglu(gate.data(), up.data(), rows * hidden);
+            product(f, gate.data(), rows, hidden, wd, width, o);
+            for (long i = 0; i < rows * width; i++) o[i] = h[i] + o[i];
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+        throw std::runtime_error("mlx-cache-server's block runs on the CPU only");
+    }
+
+    const char* name() const override { return "MlxcsBlockOutput"; }
+
+    bool is_equivalent(const mx::Primitive& other) const override {
+        return eps_ == static_cast<const BlockOutput&>(other).eps_;
+    }
+
+  private:
+    float eps_;
+};
+
+std::vector<mx::array> block_input(const mx::array& x, const mx::array& norm, const mx::array& wq,
+                                   const mx::array& wk, const mx::array& wv,
+                                   const mx::array& offset, const mx::array& inv_freq, float eps,
+                                   int heads, int kv_heads, int dims, bool traditional,
+                                   float scale) {
+    bool ok = x.dtype() == mx::float32 && x.ndim() == 3 && heads > 0 && kv_heads > 0 &&
+              heads % kv_heads == 0 && wq.ndim() == 2 && wq.shape(0) % heads == 0 &&
+              wk.ndim() == 2 && wk.shape(0) % kv_heads == 0 && wv.ndim() == 2 &&
+              wv.shape(0) % kv_heads == 0 && norm.dtype() == mx::float32 && norm.ndim() == 1 &&
+              norm.shape(0) == x.shape(2) && sgemm();
+    int width = ok ? x.shape(2) : 0, size = ok ? wq.shape(0) / heads : 0;
+    ok = ok && weight_ok(wq, wq.shape(0), width) && weight_ok(wk, wk.shape(0), width) &&
+         weight_ok(wv, wv.shape(0), width) && wk.shape(0) / kv_heads == size && dims > 0 &&
+         dims % 2 == 0 && dims <= size && offset.dtype() == mx::int32 && offset.ndim() == 1 &&
+         (offset.size() == 1 || offset.size() == static_cast<size_t>(x.shape(0))) &&
+         inv_freq.dtype() == mx::float32 && inv_freq.ndim() == 1 &&
+         inv_freq.shape(0) == dims / 2;
+    if (!ok)
+        throw std::invalid_argument(
+            "block_input takes float32 x (batch, positions, width), norm (width), evaluated "
+            "row-contiguous q, k and v weights (heads * size, width), int32 offset (1 or "
+            "batch), float32 inv_freq (dims / 2), and cblas_sgemm in the process");
+    int b = x.shape(0), l = x.shape(1), vd = wv.shape(0) / kv_heads;
+    return mx::array::make_arrays(
+        {{b, heads, l, size}, {b, kv_heads, l, size}, {b, kv_heads, l, vd}},
+        {mx::float32, mx::float32, mx::float32},
+        std::make_shared<BlockInput>(cpu_stream(), eps, heads, kv_heads, dims, traditional, scale),
+        {x, norm, wq, wk, wv, offset, inv_freq});
+}
+
+mx::array block_output(const mx::array& x, const mx::array& attended, const mx::array& wo,
+                       const mx::array& norm, const mx::array& gate, const mx::array& up,
+                       const mx::array& down, float eps) {
+    bool ok = x.dtype() == mx::float32 && x.ndim() == 3 && attended.dtype() == mx::float32 &&
+              attended.ndim() == 4 && attended.shape(0) == x.shape(0) &&
+              attended.shape(2) == x.shape(1) && norm.dtype() == mx::float32 &&
+              norm.ndim() == 1 && norm.shape(0) == x.shape(2) && gate.ndim() == 2 && sgemm();
+    if (ok) {
+        int width = x.shape(2), hidden = gate.shape(0);
+        ok = weight_ok(wo, width, attended.shape(1) * attended.shape(3)) &&
+             weight_ok(gate, hidden, width) && weight_ok(up, hidden, width) &&
+             weight_ok(down, width, hidden);
+    }
+    if (!ok)
+        throw std::invalid_argument(
+            "block_output takes float32 x (batch, positions, width), attention's output "
+            "(batch, heads, positions, size), evaluated row-contiguous o, gate, up and down "
+            "weights, norm (width), and cblas_sgemm in the process");
+    return mx::array(x.shape(), mx::float32, std::make_shared<BlockOutput>(cpu_stream(), eps),
+                     {x, attended, wo, norm, gate, up, down});
+}
+
+}  // namespace
+
+void define_block(nb::module_& m) {
+    m.def("block_input", &block_input, nb::arg("x"), nb::arg("norm"), nb::arg("wq"),
+          nb::arg("wk"), nb::arg("wv"), nb::arg("offset"), nb::arg("inv_freq"), nb::arg("eps"),
+          nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
+          nb::arg("scale"));
+    m.def("block_output", &block_output, nb::arg("x"), nb::arg("attended"), nb::arg("wo"),
+          nb::arg("norm"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("eps"));
+    m.def("has_block", []() { return sgemm() != nullptr; });
+    /* the block's SwiGLU alone, evaluated: its tests compare it with mlx-lm's bit for bit */
+    m.def("swiglu", [](mx::array gate, mx::array up) {
+        if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape())
+            throw std::invalid_argument("swiglu takes float32 gate and up of one shape");
+        gate = mx::contiguous(gate), up = mx::contiguous(up);
+        mx::eval({gate, up});
+        std::vector<float> out(gate.data<float>(), gate.data<float>() + gate.size());
+        swiglu(out.data(), up.data<float>(), static_cast<long>(out.size()));
+        return mx::array(out.begin(), gate.shape(), mx::float32);
+    });
+}
+
+}  // namespace mlxcs

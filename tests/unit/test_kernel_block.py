@@ -1,0 +1,137 @@
+"""A Llama block as two ops around attention (`app/runtime/kernel_block.py`): the same bits
+as mlx-lm's block, for every cache, batch and chunk a model runs, and only on blocks it
+can run."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from app.runtime import cpu_activations, cpu_fast_path, forward_together, kernel_block, native
+from tests.tiny_model import build_tiny_model
+
+built = pytest.mark.skipif(
+    mx.default_device() != mx.cpu or native.layers() is None or not native.layers().has_block(),
+    reason=f"the layers' extension is not built here: {native.layers_problem}",
+)
+
+
+def outputs(model) -> list[np.ndarray]:
+    """A batch of two rows, one left-padded: a prompt of 96 tokens (more rows than the
+    kernels library's products take), a step, a pass of three; a lone sequence's prompt
+    and step; a call without a cache; and the caches' contents."""
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79] * 12, [2, 71, 82, 81, 82, 84, 59, 4] * 12])
+    batch = [BatchKVCache(left_padding=[0, 3]) for _ in model.layers]
+    alone = [KVCache() for _ in model.layers]
+    out = [
+        model(prompt, cache=batch),
+        model(mx.array([[26], [53]]), cache=batch),
+        model(mx.array([[26, 7, 9], [53, 1, 2]]), cache=batch),
+        model(prompt[:1, :5], cache=alone),
+        model(mx.array([[4]]), cache=alone),
+        model(prompt[:1, :7]),
+    ]
+    out += [batch[-1].keys, batch[-1].values, alone[0].keys]
+    mx.eval(out)
+    return [np.asarray(o) for o in out]
+
+
+@pytest.fixture
+def mlx_swiglu(monkeypatch):
+    """mlx-lm's SwiGLU for every call (not numpy's for the larger ones): the one whose
+    arithmetic the block's is."""
+    monkeypatch.setattr(cpu_activations, "enabled", False)
+
+
+@built
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"num_key_value_heads": 1},
+        {"num_key_value_heads": 4, "rope_traditional": True},
+        {"hidden_size": 256, "intermediate_size": 512},  # products the kernels library takes
+    ],
+    ids=["grouped", "one-kv-head", "traditional-rope", "wide"],
+)
+def test_the_block_gives_the_model_s_own_bits(tmp_path, mlx_swiglu, config):
+    model = load(str(build_tiny_model(tmp_path, **config)))[0]
+    cpu_fast_path.install(model)
+    assert all(type(layer) is kernel_block.Block for layer in model.layers)
+    kernel_block.enabled = False
+    try:
+        theirs = outputs(model)
+    finally:
+        kernel_block.enabled = True
+    ours = outputs(model)
+    assert all(np.array_equal(a, b) for a, b in zip(theirs, ours, strict=True))
+
+
+@built
+def test_a_step_is_two_nodes_a_block_around_attention(tmp_path):
+    model = load(str(build_tiny_model(tmp_path)))[0]
+    cpu_fast_path.install(model)
+    cache = [KVCache() for _ in model.layers]
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    dot = tmp_path / "step.dot"
+    mx.export_to_dot(str(dot), model(mx.array([[4]]), cache=cache))
+    text = dot.read_text()
+    n = len(model.layers)
+    assert text.count('"MlxcsBlockInput"') == n and text.count('"MlxcsBlockOutput"') == n
+    assert '"Matmul"' in text  # the output head, which is not a block's
+    assert text.count('"Matmul"') == 1 and '"Sigmoid' not in text
+
+
+def test_the_block_s_swiglu_is_mlx_lm_s_bit_for_bit():
+    if mx.default_device() != mx.cpu or native.layers() is None:
+        pytest.skip(f"the layers' extension is not built here: {native.layers_problem}")
+    rng = np.random.default_rng(0)
+    scaled = [rng.standard_normal(50_000) * s for s in (0.1, 1.0, 4.0, 30.0, 90.0)]
+    edges = [0.0, -0.0, 88.0, -88.0, 88.5, -88.5, 1e30, -1e30, np.inf, -np.inf, np.nan, 1e-40]
+    any_bits = rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
+    gate = np.concatenate([*scaled, edges]).astype(np.float32)
+    gate = np.concatenate([gate, any_bits.view(np.float32)])  # NaNs, infinities, subnormals
+    up = rng.standard_normal(gate.size).astype(np.float32)
+    theirs = np.asarray(swiglu(mx.array(gate), mx.array(up)))
+    ours = np.asarray(native.layers().swiglu(mx.array(gate), mx.array(up)))
+    same = (theirs.view(np.uint32) == ours.view(np.uint32)) | (np.isnan(theirs) & np.isnan(ours))
+    assert same.all(), gate[~same][:5]
+
+
+@built
+def test_only_blocks_it_computes_as_the_model_are_swapped(tmp_path):
+    biased = load(str(build_tiny_model(tmp_path / "b", attention_bias=True)))[0]
+    cpu_fast_path.install(biased)
+    assert not any(type(layer) is kernel_block.Block for layer in biased.layers)
+    half = load(str(build_tiny_model(tmp_path / "h")))[0]
+    half.set_dtype(mx.bfloat16)
+    cpu_fast_path.install(half)
+    assert type(half.layers[0]) is llama.TransformerBlock
+    model = load(str(build_tiny_model(tmp_path / "m")))[0]
+    cpu_fast_path.install(model)
+    assert forward_together.supports(model)  # it calls the parts, which are the same
+
+
+@built
+def test_other_input_goes_to_mlx_lm_s_block(tmp_path):
+    model = load(str(build_tiny_model(tmp_path)))[0]
+    cpu_fast_path.install(model)
+    layer = model.layers[0]
+    x = mx.random.normal((1, 3, layer.input_layernorm.weight.shape[0]))
+    half = x.astype(mx.bfloat16)
+    expected = llama.TransformerBlock.__call__(layer, half)
+    assert np.array_equal(
+        np.asarray(layer(half).astype(mx.float32)), np.asarray(expected.astype(mx.float32))
+    )
+
+
+def test_nothing_is_swapped_without_the_extension(tmp_path, monkeypatch):
+    model = load(str(build_tiny_model(tmp_path)))[0]
+    monkeypatch.setattr(native, "layers", lambda: None)
+    assert kernel_block.install(model) == 0
+    assert type(model.layers[0]) is llama.TransformerBlock
