@@ -1,13 +1,16 @@
-"""The MLP's SwiGLU on MLX's CPU device through numpy, whose exp is vectorized.
+"""The MLP's SwiGLU on MLX's CPU device, vectorized: our primitive, else numpy.
 
 `silu(gate) * x` takes one `exp` per element of the MLP's hidden width, and on Linux
 MLX's CPU `exp` is scalar: after attention, the activation was the largest cost of a
 prefill that was not a matmul, and every decode step of many streams pays it too
-(bench/README.md, "Attention on the Linux CPU", has the profile). Same conditions as
-`cpu_attention`: MLX's CPU device, float32, enough elements to pay for the round
-trip; anything else goes to mlx-lm's own compiled `swiglu`. Elementwise, so the
-result of an element never depends on how a prompt was cut into chunks: cached and
-uncached runs compute the same values.
+(bench/README.md, "Attention on the Linux CPU", has the profile). Where our extension
+builds (`native.layers()`), float32 SwiGLU is its node (`csrc/block.cpp`): mlx-lm's
+arithmetic, so the same bits as a Llama block's node and as mlx-lm's own `swiglu`, 16
+lanes at a time, and no evaluation mid-graph. Without it, the conditions of
+`cpu_attention`: MLX's CPU device, float32, enough elements to pay for numpy's round
+trip; anything else goes to mlx-lm's own compiled `swiglu`. Elementwise either way, so
+the result of an element never depends on how a prompt was cut into chunks: cached
+and uncached runs compute the same values.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import activations
 
+from . import native
 from .model_hooks import rebind
 
 # Below (a decode step of one or two streams on the default model's 1,536-wide MLP):
@@ -28,7 +32,10 @@ enabled = True  # off: every call goes to mlx-lm's swiglu
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """mlx-lm's `swiglu` (`silu(gate) * x`), through numpy where that is faster."""
+    """mlx-lm's `swiglu` (`silu(gate) * x`), on our primitive or numpy where faster."""
+    ops = native.layers() if enabled else None
+    if ops is not None and _ours(gate, x):
+        return ops.swiglu(gate, x)
     if not (enabled and _eligible(gate, x)):
         return activations.swiglu(gate, x)
     mx.eval(gate, x)
@@ -39,6 +46,16 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     out /= e  # silu(g) = g / (1 + exp(-g))
     out *= np.asarray(x)
     return mx.array(out)
+
+
+def _ours(gate: mx.array, x: mx.array) -> bool:
+    return (
+        mx.default_device() == mx.cpu
+        and gate.dtype == mx.float32
+        and x.dtype == mx.float32
+        and gate.shape == x.shape
+        and gate.ndim > 0
+    )
 
 
 def _eligible(gate: mx.array, x: mx.array) -> bool:

@@ -1,7 +1,8 @@
-"""The CPU fast path on a model: attention, SwiGLU and logprobs through numpy, a few
-queries' attention on our kernel where it is preloaded (`kernel_attention`), RoPE
-and RMSNorm as one MLX op each where our extension builds (`kernel_layers`), and a Llama
-block's work around attention as two (`kernel_block`).
+"""The CPU fast path on a model: attention and logprobs through numpy, a few queries'
+attention on our kernel where it is preloaded (`kernel_attention`), RoPE, RMSNorm and
+SwiGLU as one MLX op each where our extension builds (`kernel_layers`,
+`cpu_activations`; numpy's SwiGLU where it does not), and a Llama block's work around
+attention as two (`kernel_block`).
 
 One place for what the engine installs on MLX's CPU device, so that benchmarks measuring
 "as the server runs" install the same (`cpu_attention`, `cpu_activations`, `cpu_logprobs`
@@ -16,8 +17,8 @@ from . import cpu_activations, cpu_attention, cpu_logprobs, kernel_block, kernel
 
 
 def install(model: Any) -> bool:
-    """Route `model`'s attention and SwiGLU, and mlx-lm's logprobs, through numpy, and its
-    RoPE, RMSNorm and Llama blocks through our primitives; False if the model's attention
+    """Route `model`'s attention and mlx-lm's logprobs through numpy, and its RoPE, RMSNorm,
+    SwiGLU and Llama blocks through our primitives; False if the model's attention
     could not be routed (the rest is installed either way)."""
     attention = cpu_attention.install(model)
     cpu_activations.install(model)

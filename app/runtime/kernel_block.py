@@ -1,18 +1,19 @@
 """A Llama block as two MLX ops around its cache's update and attention (`csrc/block.cpp`).
 
-mlx-lm's Llama block is some fifty graph nodes on float32, each a task on MLX's CPU
+mlx-lm's Llama block is dozens of graph nodes on float32, each a task on MLX's CPU
 stream with the pool's worker idle beside it, and building them takes the Python thread
 a share of the two cores that run them (bench/README.md, "Decode kernels", has the
 profile). `Block` runs the norm, projections and RoPE before attention as one op and
 everything after it as another, with the same arithmetic in the same order: the same
-bits as the model's own call, which the tests compare.
+bits as mlx-lm's own block, SwiGLU included (`cpu_activations` computes it the same
+way), which the tests compare.
 
 The cache's update and attention stay the model's own calls (the module's
 `scaled_dot_product_attention`, ours where `cpu_attention` is installed), so every cache
 type, mask and attention path works as before. `install` swaps the class of the blocks it
 can run (mlx-lm's `llama` blocks whose norms and RoPE `kernel_layers` swapped, float32
 weights, no biases); anything else it leaves alone, and `Block` hands any call it cannot
-run (another dtype, `enabled` off) to the model's own.
+run (another dtype or device, weights the ops refuse, `enabled` off) to the model's own.
 """
 
 from __future__ import annotations
@@ -37,27 +38,43 @@ class Block(llama.TransformerBlock):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         ops = native.layers()
         run = enabled and kernel_layers.enabled and ops is not None
-        if not run or x.dtype != mx.float32 or x.ndim != 3:
+        if not run or x.dtype != mx.float32 or x.ndim != 3 or mx.default_device() != mx.cpu:
             return super().__call__(x, mask, cache)
-        attn, mlp = self.self_attn, self.mlp
         first = kernel_layers.first_positions(cache.offset if cache is not None else 0, x.shape[0])
-        if first is None:
+        if first is None or not all(w.dtype == mx.float32 for w in _weights(self)):
             return super().__call__(x, mask, cache)
-        rope = attn.rope
-        q, k, v = ops.block_input(
-            x, self.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
-            attn.v_proj.weight, first, rope._inv_freq, self.input_layernorm.eps,
-            attn.n_heads, attn.n_kv_heads, rope.dims, rope.traditional, rope.scale,
-        )  # fmt: skip
+        attn = self.self_attn
+        try:  # before the cache's update: weights swapped since `install` may be refused
+            q, k, v = _inputs(ops, self, x, first)
+        except ValueError:
+            return super().__call__(x, mask, cache)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         attend = sys.modules[type(attn).__module__].scaled_dot_product_attention
         out = attend(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-        return ops.block_output(
-            x, out, attn.o_proj.weight, self.post_attention_layernorm.weight,
-            mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-            self.post_attention_layernorm.eps,
-        )  # fmt: skip
+        return _output(ops, self, x, out)
+
+
+def _inputs(ops: Any, layer: Any, x: mx.array, first: mx.array) -> list[mx.array]:
+    attn, rope = layer.self_attn, layer.self_attn.rope
+    return ops.block_input(
+        x, layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
+        attn.v_proj.weight, first, rope._inv_freq, layer.input_layernorm.eps,
+        attn.n_heads, attn.n_kv_heads, rope.dims, rope.traditional, rope.scale,
+    )  # fmt: skip
+
+
+def _output(ops: Any, layer: Any, x: mx.array, attended: mx.array) -> mx.array:
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    return ops.block_output(
+        x, attended, attn.o_proj.weight, norm.weight, mlp.gate_proj.weight,
+        mlp.up_proj.weight, mlp.down_proj.weight, norm.eps,
+    )  # fmt: skip
+
+
+def _weights(layer: Any) -> list[mx.array]:
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    return norms + [p.weight for p in _linears(layer)]
 
 
 def _linears(layer: Any) -> list[Any]:
@@ -95,12 +112,21 @@ def install(model: Any) -> int:
     swapped = 0
     for module in model.modules():
         if type(module) is llama.TransformerBlock and runs(module):
-            mx.eval([p.weight for p in _linears(module)])  # the ops take evaluated weights
-            module.__class__ = Block
-            try:  # the nodes are made, not run: the ops refuse weights they cannot read
-                module(mx.zeros((1, 1, module.input_layernorm.weight.shape[0])))
-            except ValueError:
-                module.__class__ = llama.TransformerBlock
-                continue
-            swapped += 1
+            mx.eval(_weights(module))  # the ops take evaluated weights
+            if _takes(ops, module):
+                module.__class__ = Block
+                swapped += 1
     return swapped
+
+
+def _takes(ops: Any, layer: Any) -> bool:
+    """Whether the ops take `layer`'s weights (evaluated, row-contiguous): two nodes made on
+    stand-in input, not run."""
+    attn = layer.self_attn
+    x = mx.zeros((1, 1, layer.input_layernorm.weight.shape[0]))
+    try:
+        q, k, v = _inputs(ops, layer, x, mx.array([0], mx.int32))
+        _output(ops, layer, x, mx.zeros((1, attn.n_heads, 1, v.shape[-1])))
+    except ValueError:
+        return False
+    return True

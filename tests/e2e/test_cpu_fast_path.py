@@ -1,7 +1,7 @@
-"""With the CPU fast path (attention's softmax, the MLP's SwiGLU and the logits'
-normalization through numpy; a few queries' attention, RoPE, RMSNorm and a Llama block's
-work around attention as our primitives; on by default on the CPU), greedy output with the
-cache equals output without it, through the `openai` SDK."""
+"""With the CPU fast path (attention's softmax and the logits' normalization through numpy;
+a few queries' attention, RoPE, RMSNorm, SwiGLU and a Llama block's work around attention
+as our primitives; on by default on the CPU), greedy output with the cache equals output
+without it, through the `openai` SDK."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
     if layers is not None:  # the servers' models take the primitives from this
         counted = type("Counted", (), {})()
         names = ("rope", "rms_norm", "inv_freq", "attention", "has_attention", "has_block",
-                 "block_input", "block_output")  # fmt: skip
+                 "block_input", "block_output", "swiglu")  # fmt: skip
         for name in names:
             real_op = getattr(layers, name)
             setattr(counted, name, lambda *a, op=real_op, n=name: primitives.append(n) or op(*a))
@@ -87,7 +87,7 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
         assert {"block_input", "block_output", "rms_norm"} <= set(primitives)
         if kernel_attention.available():  # as a node of the graph
             assert "attention" in primitives
+        assert not taken  # any SwiGLU outside a block is our node, not numpy's
     else:
-        assert taken  # SwiGLU outside a block's node
-    assert all(taken)  # every SwiGLU outside a block's node through numpy
+        assert taken and all(taken)  # every SwiGLU through numpy
     assert len(normalized) >= generated and all(normalized)  # each token's, through numpy

@@ -1,4 +1,5 @@
-"""SwiGLU through numpy (`app.runtime.cpu_activations`) against mlx-lm's own."""
+"""SwiGLU on our primitive, else through numpy (`app.runtime.cpu_activations`), against
+mlx-lm's own."""
 
 from __future__ import annotations
 
@@ -7,11 +8,22 @@ import numpy as np
 import pytest
 from mlx_lm.models import activations
 
-from app.runtime import cpu_activations
+from app.runtime import cpu_activations, native
+
+extension = pytest.mark.skipif(
+    mx.default_device() != mx.cpu or native.layers() is None,
+    reason=f"the layers' extension is not built here: {native.layers_problem}",
+)
+
+
+@pytest.fixture
+def no_extension(monkeypatch):
+    """numpy's path, as where the extension cannot be built"""
+    monkeypatch.setattr(native, "layers", lambda: None)
 
 
 @pytest.mark.parametrize("shape", [(1, 240, 1536), (16, 1, 1536), (2, 37, 128)])
-def test_equals_mlx_lm_within_float32_tolerance(shape, monkeypatch):
+def test_numpy_s_equals_mlx_lm_within_float32_tolerance(shape, monkeypatch, no_extension):
     monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
     mx.random.seed(3)
     gate, x = mx.random.normal(shape) * 6, mx.random.normal(shape)  # large gates: exp's range
@@ -21,7 +33,37 @@ def test_equals_mlx_lm_within_float32_tolerance(shape, monkeypatch):
     np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_small_or_other_dtypes_go_to_mlx_lm(monkeypatch):
+@extension
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (2, 37, 128), (3, 5)])
+def test_ours_equals_mlx_lm_bit_for_bit(shape):
+    mx.random.seed(3)
+    gate, x = mx.random.normal(shape) * 6, mx.random.normal(shape)
+    expected = np.asarray(activations.swiglu(gate, x))
+    assert np.array_equal(np.asarray(cpu_activations.swiglu(gate, x)), expected)
+    # operands a transpose or a broadcast leave strided
+    wide = mx.random.normal((shape[-1], 4))
+    assert np.array_equal(
+        np.asarray(cpu_activations.swiglu(wide.T, wide.T * 2)),
+        np.asarray(activations.swiglu(wide.T, wide.T * 2)),
+    )
+    row = mx.broadcast_to(x[..., :1], x.shape)
+    assert np.array_equal(
+        np.asarray(cpu_activations.swiglu(gate, row)), np.asarray(activations.swiglu(gate, row))
+    )
+
+
+@extension
+def test_float32_of_any_size_is_our_node(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(activations, "swiglu", lambda g, x: calls.append(g.shape) or g)
+    small = cpu_activations.swiglu(mx.ones((1, 1, 64)), mx.ones((1, 1, 64)))
+    mx.export_to_dot(str(tmp_path / "s.dot"), small)
+    assert "MlxcsSwiGLU" in (tmp_path / "s.dot").read_text()
+    cpu_activations.swiglu(mx.ones((1, 1, 64), mx.float16), mx.ones((1, 1, 64), mx.float16))
+    assert calls == [(1, 1, 64)]
+
+
+def test_small_or_other_dtypes_go_to_mlx_lm(monkeypatch, no_extension):
     calls = []
     monkeypatch.setattr(activations, "swiglu", lambda g, x: calls.append(g.shape) or g)
     big = mx.ones((4, 8, 1024))
@@ -34,7 +76,7 @@ def test_small_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     assert len(calls) == 3
 
 
-def test_install_routes_the_models_mlp_here(tiny_model, monkeypatch):
+def test_install_routes_the_models_mlp_here(tiny_model, monkeypatch, no_extension):
     import mlx_lm.models.llama as llama
 
     model, tokenizer = tiny_model

@@ -5,14 +5,22 @@ can run."""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from app.runtime import cpu_activations, cpu_fast_path, forward_together, kernel_block, native
+from app.runtime import (
+    cpu_activations,
+    cpu_fast_path,
+    forward_together,
+    kernel_attention,
+    kernel_block,
+    native,
+)
 from tests.tiny_model import build_tiny_model
 
 built = pytest.mark.skipif(
@@ -21,10 +29,11 @@ built = pytest.mark.skipif(
 )
 
 
-def outputs(model) -> list[np.ndarray]:
+def outputs(model: nn.Module) -> list[np.ndarray]:
     """A batch of two rows, one left-padded: a prompt of 96 tokens (more rows than the
     kernels library's products take), a step, a pass of three; a lone sequence's prompt
-    and step; a call without a cache; and the caches' contents."""
+    and step; a call without a cache; a quantized and a rotating cache's; and the caches'
+    contents."""
     prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79] * 12, [2, 71, 82, 81, 82, 84, 59, 4] * 12])
     batch = [BatchKVCache(left_padding=[0, 3]) for _ in model.layers]
     alone = [KVCache() for _ in model.layers]
@@ -36,16 +45,28 @@ def outputs(model) -> list[np.ndarray]:
         model(mx.array([[4]]), cache=alone),
         model(prompt[:1, :7]),
     ]
+    attn = model.layers[0].self_attn
+    caches = [[RotatingKVCache(max_size=8) for _ in model.layers]]
+    if attn.k_proj.weight.shape[0] // attn.n_kv_heads % 32 == 0:  # what quantizing takes
+        caches.append([QuantizedKVCache(group_size=32) for _ in model.layers])
+    for cache in caches:
+        out += [model(prompt[:1, :12], cache=cache), model(mx.array([[5]]), cache=cache)]
     out += [batch[-1].keys, batch[-1].values, alone[0].keys]
     mx.eval(out)
     return [np.asarray(o) for o in out]
 
 
 @pytest.fixture
-def mlx_swiglu(monkeypatch):
-    """mlx-lm's SwiGLU for every call (not numpy's for the larger ones): the one whose
-    arithmetic the block's is."""
-    monkeypatch.setattr(cpu_activations, "enabled", False)
+def counted(monkeypatch) -> list[str]:
+    """The block ops' calls, by name"""
+    ops, calls = native.layers(), []
+    proxy = type("Counted", (), {})()
+    for name in dir(ops):
+        if not name.startswith("_"):
+            op = getattr(ops, name)
+            setattr(proxy, name, lambda *a, op=op, n=name: calls.append(n) or op(*a))
+    monkeypatch.setattr(native, "layers", lambda: proxy)
+    return calls
 
 
 @built
@@ -56,23 +77,40 @@ def mlx_swiglu(monkeypatch):
         {"num_key_value_heads": 1},
         {"num_key_value_heads": 4, "rope_traditional": True},
         {"hidden_size": 256, "intermediate_size": 512},  # products the kernels library takes
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"head_dim": 32},  # heads wider than hidden_size / heads
     ],
-    ids=["grouped", "one-kv-head", "traditional-rope", "wide"],
+    ids=["grouped", "one-kv-head", "traditional-rope", "wide", "scaled-rope", "head-dim"],
 )
-def test_the_block_gives_the_model_s_own_bits(tmp_path, mlx_swiglu, config):
+def test_the_block_gives_the_model_s_own_bits(tmp_path, monkeypatch, counted, config):
     model = load(str(build_tiny_model(tmp_path, **config)))[0]
     cpu_fast_path.install(model)
     assert all(type(layer) is kernel_block.Block for layer in model.layers)
-    kernel_block.enabled = False
-    try:
-        theirs = outputs(model)
-    finally:
-        kernel_block.enabled = True
     ours = outputs(model)
-    assert all(np.array_equal(a, b) for a, b in zip(theirs, ours, strict=True))
+    assert counted.count("block_input") >= 8 * len(model.layers)  # every call above
+    monkeypatch.setattr(kernel_block, "enabled", False)
+    assert all(np.array_equal(a, b) for a, b in zip(outputs(model), ours, strict=True))
+    monkeypatch.setattr(cpu_activations, "enabled", False)  # mlx-lm's own SwiGLU too
+    assert all(np.array_equal(a, b) for a, b in zip(outputs(model), ours, strict=True))
 
 
 @built
+def test_weights_the_ops_refuse_send_the_block_to_mlx_lm_s(tmp_path, monkeypatch):
+    model = load(str(build_tiny_model(tmp_path)))[0]
+    cpu_fast_path.install(model)
+    q = model.layers[0].self_attn.q_proj
+    original = np.asarray(q.weight)
+    q.weight = mx.array(np.ascontiguousarray(original.T)).T  # the same values, transposed
+    mx.eval(q.weight)
+    ours = outputs(model)  # no error: layer 0 runs as mlx-lm's, layer 1 as two nodes
+    monkeypatch.setattr(kernel_block, "enabled", False)
+    assert all(np.array_equal(a, b) for a, b in zip(outputs(model), ours, strict=True))
+
+
+@built
+@pytest.mark.skipif(
+    not kernel_attention.available(), reason="attention through numpy evaluates the block's input"
+)
 def test_a_step_is_two_nodes_a_block_around_attention(tmp_path):
     model = load(str(build_tiny_model(tmp_path)))[0]
     cpu_fast_path.install(model)
@@ -98,7 +136,7 @@ def test_the_block_s_swiglu_is_mlx_lm_s_bit_for_bit():
     gate = np.concatenate([gate, any_bits.view(np.float32)])  # NaNs, infinities, subnormals
     up = rng.standard_normal(gate.size).astype(np.float32)
     theirs = np.asarray(swiglu(mx.array(gate), mx.array(up)))
-    ours = np.asarray(native.layers().swiglu(mx.array(gate), mx.array(up)))
+    ours = np.asarray(native.layers().swiglu(mx.array(gate), mx.array(up)))  # the node
     same = (theirs.view(np.uint32) == ours.view(np.uint32)) | (np.isnan(theirs) & np.isnan(ours))
     assert same.all(), gate[~same][:5]
 

@@ -1,6 +1,6 @@
 /* A Llama block's work before and after attention as two MLX primitives on the CPU.
 
-   mlx-lm's `llama.TransformerBlock` is some fifty graph nodes: each projection a
+   mlx-lm's `llama.TransformerBlock` is dozens of graph nodes: each projection a
    transpose, a flatten, a product and an unflatten; the reshapes and transposes of q, k
    and v; RoPE, two norms, SwiGLU, two residual adds. On the CPU each node is an
    allocation and a task on the stream's thread, the pool's worker idle beside it, and the
@@ -36,9 +36,7 @@
 
 #include "layers.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/ops.h"
 #include "mlx/primitives.h"
-#include "mlx/transforms.h"
 
 namespace mlxcs {
 namespace {
@@ -119,6 +117,11 @@ void swiglu(float* gate, const float* up, long n) {
     }
 }
 
+/* A task's working rows, not zeroed: each is written before it is read */
+struct Scratch : std::unique_ptr<float[]> {
+    explicit Scratch(long n) : std::unique_ptr<float[]>(new float[n]) {}
+};
+
 bool weight_ok(const mx::array& w, int rows, int columns) {
     return w.dtype() == mx::float32 && w.ndim() == 2 && w.shape(0) == rows &&
            w.shape(1) == columns && w.is_available() && w.flags().row_contiguous;
@@ -142,24 +145,25 @@ class BlockInput : public mx::Primitive {
         const float *wq = in[2].data<float>(), *wk = in[3].data<float>(),
                     *wv = in[4].data<float>(), *inv = in[6].data<float>();
         const int* first = offset.data<int>();
-        bool one_offset = offset.size() == 1, traditional = traditional_;
+        long first_step = offset.size() == 1 ? 0 : offset.strides()[0];
+        bool traditional = traditional_;
         long step = x.strides()[2], wstep = norm.strides()[0];
         float *qs = out[0].data<float>(), *ks = out[1].data<float>(), *vs = out[2].data<float>();
         float eps = eps_, scale = scale_;
         sgemm_fn f = sgemm();
         mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
             long rows = static_cast<long>(batch) * length;
-            std::vector<float> normed(rows * width), q(rows * nq), k(rows * nk), v(rows * nv);
+            Scratch normed(rows * width), q(rows * nq), k(rows * nk), v(rows * nv);
             for (long r = 0; r < rows; r++)
                 rms_norm_row(xs + starts[r], step, w, wstep, width, eps, &normed[r * width]);
-            product(f, normed.data(), rows, width, wq, nq, q.data());
-            product(f, normed.data(), rows, width, wk, nk, k.data());
-            product(f, normed.data(), rows, width, wv, nv, v.data());
+            product(f, normed.get(), rows, width, wq, nq, q.get());
+            product(f, normed.get(), rows, width, wk, nk, k.get());
+            product(f, normed.get(), rows, width, wv, nv, v.get());
             std::vector<float> cosines(half), sines(half);
             for (int b = 0; b < batch; b++)
                 for (int t = 0; t < length; t++) {
                     float position = (static_cast<float>(t) +
-                                      static_cast<float>(first[one_offset ? 0 : b])) *
+                                      static_cast<float>(first[b * first_step])) *
                                      scale;
                     rope_angles(position, inv, half, cosines.data(), sines.data());
                     long r = static_cast<long>(b) * length + t;
@@ -216,7 +220,7 @@ class BlockOutput : public mx::UnaryPrimitive {
         sgemm_fn f = sgemm();
         mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
             long rows = static_cast<long>(batch) * length, nh = static_cast<long>(heads) * vd;
-            std::vector<float> joined(rows * nh), h(rows * width), normed(rows * width);
+            Scratch joined(rows * nh), h(rows * width), normed(rows * width);
             for (int b = 0; b < batch; b++)
                 for (int t = 0; t < length; t++)
                     for (int j = 0; j < heads; j++) {
@@ -224,17 +228,17 @@ class BlockOutput : public mx::UnaryPrimitive {
                         float* to = &joined[(static_cast<long>(b) * length + t) * nh + j * vd];
                         for (int d = 0; d < vd; d++) to[d] = from[d * as[3]];
                     }
-            product(f, joined.data(), rows, nh, wo, width, h.data());
+            product(f, joined.get(), rows, nh, wo, width, h.get());
             for (long r = 0; r < rows; r++) {
                 float* hr = &h[r * width];
                 for (int i = 0; i < width; i++) hr[i] = xs[starts[r] + i * step] + hr[i];
                 rms_norm_row(hr, 1, w, wstep, width, eps, &normed[r * width]);
             }
-            std::vector<float> gate(rows * hidden), up(rows * hidden);
-            product(f, normed.data(), rows, width, wg, hidden, gate.data());
-            product(f, normed.data(), rows, width, wu, hidden, up.data());
-            swiglu(gate.data(), up.data(), rows * hidden);
-            product(f, gate.data(), rows, hidden, wd, width, o);
+            Scratch gate(rows * hidden), up(rows * hidden);
+            product(f, normed.get(), rows, width, wg, hidden, gate.get());
+            product(f, normed.get(), rows, width, wu, hidden, up.get());
+            swiglu(gate.get(), up.get(), rows * hidden);
+            product(f, gate.get(), rows, hidden, wd, width, o);
             for (long i = 0; i < rows * width; i++) o[i] = h[i] + o[i];
         });
     }
@@ -252,6 +256,48 @@ class BlockOutput : public mx::UnaryPrimitive {
   private:
     float eps_;
 };
+
+/* The block's SwiGLU as a node of its own, for the MLPs that are not in a block's node
+   (`cpu_activations`): the same bits as mlx-lm's `swiglu`, 16 lanes at a time, and no
+   round trip through numpy. gate and up of one shape, any strides. */
+class Swiglu : public mx::UnaryPrimitive {
+  public:
+    explicit Swiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+    void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+        allocate(out);
+        long n = static_cast<long>(out.size()), width = n ? in[0].shape(-1) : 0;
+        const float *gate = in[0].data<float>(), *up = in[1].data<float>();
+        long gstep = in[0].strides().back(), ustep = in[1].strides().back();
+        float* o = out.data<float>();
+        mx::cpu::get_command_encoder(stream()).dispatch(
+            [=, gs = row_starts(in[0]), us = row_starts(in[1])]() {
+                Scratch packed(n);
+                for (size_t r = 0; r < gs.size(); r++)
+                    for (long i = 0; i < width; i++) {
+                        o[r * width + i] = gate[gs[r] + i * gstep];
+                        packed[r * width + i] = up[us[r] + i * ustep];
+                    }
+                swiglu(o, packed.get(), n);
+            });
+    }
+
+    void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+        throw std::runtime_error("mlx-cache-server's SwiGLU runs on the CPU only");
+    }
+
+    const char* name() const override { return "MlxcsSwiGLU"; }
+
+    bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array swiglu_node(const mx::array& gate, const mx::array& up) {
+    if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape() ||
+        gate.ndim() == 0)
+        throw std::invalid_argument("swiglu takes float32 gate and up of one shape");
+    return mx::array(gate.shape(), mx::float32, std::make_shared<Swiglu>(cpu_stream()),
+                     {gate, up});
+}
 
 std::vector<mx::array> block_input(const mx::array& x, const mx::array& norm, const mx::array& wq,
                                    const mx::array& wk, const mx::array& wv,
@@ -315,16 +361,7 @@ void define_block(nb::module_& m) {
     m.def("block_output", &block_output, nb::arg("x"), nb::arg("attended"), nb::arg("wo"),
           nb::arg("norm"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("eps"));
     m.def("has_block", []() { return sgemm() != nullptr; });
-    /* the block's SwiGLU alone, evaluated: its tests compare it with mlx-lm's bit for bit */
-    m.def("swiglu", [](mx::array gate, mx::array up) {
-        if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape())
-            throw std::invalid_argument("swiglu takes float32 gate and up of one shape");
-        gate = mx::contiguous(gate), up = mx::contiguous(up);
-        mx::eval({gate, up});
-        std::vector<float> out(gate.data<float>(), gate.data<float>() + gate.size());
-        swiglu(out.data(), up.data<float>(), static_cast<long>(out.size()));
-        return mx::array(out.begin(), gate.shape(), mx::float32);
-    });
+    m.def("swiglu", &swiglu_node, nb::arg("gate"), nb::arg("up"));
 }
 
 }  // namespace mlxcs

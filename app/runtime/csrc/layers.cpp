@@ -98,7 +98,7 @@ class Rope : public mx::UnaryPrimitive {
         long s0 = x.strides()[0], s1 = x.strides()[1], s2 = x.strides()[2], s3 = x.strides()[3];
         const float* xs = x.data<float>();
         const int* first = offset.data<int>();
-        bool one_offset = offset.size() == 1;
+        long first_step = offset.size() == 1 ? 0 : offset.strides()[0];
         const float* inv = inv_freq.data<float>();
         float* o = out.data<float>();
         int half = dims_ / 2;
@@ -109,7 +109,7 @@ class Rope : public mx::UnaryPrimitive {
             for (int b = 0; b < batch; b++) {
                 for (int t = 0; t < positions; t++) {
                     float position = (static_cast<float>(t) +
-                                      static_cast<float>(first[one_offset ? 0 : b])) *
+                                      static_cast<float>(first[b * first_step])) *
                                      scale;
                     mlxcs::rope_angles(position, inv, half, cosines.data(), sines.data());
                     for (int h = 0; h < heads; h++) {
