@@ -103,6 +103,25 @@ def test_additive_masks_with_heads_and_minus_infinity():
     )
 
 
+def test_masks_across_the_pieces_of_a_long_row():
+    """Keys past KEY_SPLIT (256) are cut into pieces computed apart and combined: a piece
+    masked whole (to -inf, or to False), scores far below the others', a row masked
+    everywhere by a boolean mask."""
+    b, n_q, n_k = 2, 3, 700
+    q, k, v = operands(b, 4, 2, n_q, n_k, seed=3)
+    rng = np.random.default_rng(3)
+    adds = rng.standard_normal((b, 4, n_q, n_k)).astype(np.float32)
+    adds[:, :, :, 256:512] = -np.inf  # the second piece, whole
+    adds[0, :, :, :256] -= 60.0  # the first piece's weights vanish beside the third's
+    bools = rng.random((b, 1, n_q, n_k)) > 0.3
+    bools[:, :, 0, 512:] = False
+    bools[1, 0, 1] = False  # a row masked everywhere averages the values
+    for mask in (mx.array(adds), mx.array(bools)):
+        np.testing.assert_allclose(
+            np.array(ours(q, k, v, mask)), np.array(theirs(q, k, v, mask)), rtol=2e-5, atol=2e-6
+        )
+
+
 @pytest.mark.parametrize("n_k", [700, 704, 37])
 @pytest.mark.parametrize("as_array", [False, True])
 def test_a_query_gets_the_same_bits_alone_as_in_a_pass(n_k, as_array):

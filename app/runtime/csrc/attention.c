@@ -4,10 +4,17 @@
    MLX's CPU attention computes exp one element at a time and, for several queries, makes
    the scores of each in turn; a draft's pass of 8 positions cost 8 single steps'
    attention. Here the query rows that share a key head go past its keys together, a block
-   at a time (`unit`), spread over the cores by head; each row's scores, a vectorized exp,
-   then the weighted sum of the values. A row's result depends only on its own query, keys,
-   values and mask, so a row gets the same bits in a pass of several positions as in a
-   single step.
+   at a time (`unit`), spread over the cores by head and by piece of keys (below); each
+   row's scores, a vectorized exp, then the weighted sum of the values. A row's result
+   depends only on its own query, keys, values and mask, so a row gets the same bits in a
+   pass of several positions as in a single step.
+
+   A row's keys are cut at fixed positions, every KEY_SPLIT keys, and each piece is a unit
+   of work of its own, so that the cores share a key head: a lone stream's step has as
+   few units as the model has key heads, which may be fewer than the cores or not a
+   multiple of them. Each piece's softmax is combined with the others' afterwards
+   (`combine`), in key order. The cuts do not depend on the call, so a row's bits do not
+   either.
 
    Masks as MLX takes them: none, causal (query i of n is position keys - n + i), or an
    array broadcast to (batch, heads, queries, keys), boolean (true: may attend; a masked
@@ -25,6 +32,7 @@
 
 #define KEY_BLOCK 64 /* keys (and values) a block of rows goes past while they are in L1 */
 #define ROW_CHUNK 8  /* rows of a unit: their scores are held at once */
+#define KEY_SPLIT 256 /* keys of a unit at most, cut at multiples of it (of LANES too) */
 
 /* Lanes h..2h-1 of each 2h-lane chunk of a and b exchanged: one step of transposing 16
    rows of 16 lanes, whose four steps (h = 8, 4, 2, 1) leave row d holding lane d of
@@ -63,15 +71,21 @@ static void transpose_keys(const float *k, long stride, int count, int dim, vec 
     }
 }
 
-/* A query row of a unit: where its query, mask and output are, how many keys it sees */
+/* A query row of a unit: where its query, mask and piece (`part`) are, the end of the keys
+   it sees in the unit's piece */
 struct row {
     const float *q;
-    float *out, *s;
+    float *part, *s;
     long mask_at;
     int n;
     vec top; /* by lane */
-    float sum;
 };
+
+/* A row's piece of keys, as `unit` leaves it: its top score (0 where every score is -inf),
+   its weights' sum, then the weighted sum of the values (vdim), not yet divided */
+#define PART_TOP 0
+#define PART_SUM 1
+#define PART_OUT 2
 
 /* Rows' dots with a transposed block of keys, each summed over d in two running sums
    (even and odd d) */
@@ -100,30 +114,37 @@ static int keys_seen(const struct attention *a, int i) {
    memory. A row's arithmetic is the same whatever rows and keys it is computed with: a
    score is summed over d in the same order (`block_dots`), its weight is one exp in lane
    j % LANES, each output a sum over keys in key order. */
-static void unit(const struct attention *a, int b, int head, int first, int count,
-                 float *scores, int stride, vec *kt) {
+static void unit(const struct attention *a, int b, int head, int first, int count, int k0,
+                 float *scores, vec *kt, float *parts) {
+    int pieces = (a->keys + KEY_SPLIT - 1) / KEY_SPLIT, piece = k0 / KEY_SPLIT;
     int per = a->heads / a->kv_heads;
     const float *k = a->k + b * a->k_stride[0] + head * a->k_stride[1];
     const float *v = a->v + b * a->v_stride[0] + head * a->v_stride[1];
     const unsigned char *bools = a->mask;
     const float *adds = a->mask;
     struct row rows[ROW_CHUNK];
-    int most = 0;
+    int most = k0, kept = 0;
     for (int r = 0; r < count; r++) {
         int h = head * per + (first + r) / a->queries, i = (first + r) % a->queries;
-        rows[r] = (struct row){
+        int n = keys_seen(a, i), end = k0 + KEY_SPLIT;
+        if (n <= k0)
+            continue; /* no key of this piece: `combine` does not read its part */
+        long at = (((long)b * a->heads + h) * a->queries + i) * pieces + piece;
+        rows[kept] = (struct row){
             .q = a->q + b * a->q_stride[0] + h * a->q_stride[1] + i * a->q_stride[2],
-            .out = a->out + (((long)b * a->heads + h) * a->queries + i) * a->vdim,
-            .s = scores + (long)r * stride,
+            .part = parts + at * (PART_OUT + a->vdim),
+            .s = scores + (long)kept * KEY_SPLIT - k0, /* indexed by key */
             .mask_at = b * a->mask_stride[0] + h * a->mask_stride[1] + i * a->mask_stride[2],
-            .n = keys_seen(a, i),
+            .n = n < end ? n : end,
             .top = vsplat(-INFINITY),
         };
-        most = rows[r].n > most ? rows[r].n : most;
+        most = rows[kept].n > most ? rows[kept].n : most;
+        kept++;
     }
+    count = kept;
     /* Scores a block of LANES keys at a time, the block transposed so that a row's
        scores of the block are one vector (`block_dots`). */
-    for (int j0 = 0; j0 < most; j0 += LANES) {
+    for (int j0 = k0; j0 < most; j0 += LANES) {
         int block = most - j0 < LANES ? most - j0 : LANES;
         transpose_keys(k + (long)j0 * a->k_stride[2], a->k_stride[2], block, a->dim, kt);
         for (int r0 = 0; r0 < count; r0 += 4) {
@@ -163,24 +184,25 @@ static void unit(const struct attention *a, int b, int head, int first, int coun
            (a single step) or runs on past it masked (a row of a draft's pass). */
         for (int j = r->n; j % LANES; j++) r->s[j] = -INFINITY;
         vec total = {0};
-        for (int j = 0; j < r->n; j += LANES) {
+        for (int j = k0; j < r->n; j += LANES) {
             vec e = vexp(*(vec *)(r->s + j) - top);
             *(vec *)(r->s + j) = e;
             total += e;
         }
-        r->sum = vsum(total);
-        for (int d = 0; d < a->vdim; d++) r->out[d] = 0;
+        r->part[PART_TOP] = top;
+        r->part[PART_SUM] = vsum(total);
+        for (int d = 0; d < a->vdim; d++) r->part[PART_OUT + d] = 0;
     }
     /* each output a running sum kept in the output between blocks: the same additions in
        the same order as one loop over every key */
     int whole = a->vdim / LANES * LANES;
-    for (int t0 = 0; t0 < most; t0 += KEY_BLOCK)
+    for (int t0 = k0; t0 < most; t0 += KEY_BLOCK)
         for (struct row *r = rows; r < rows + count; r++) {
             int end = t0 + KEY_BLOCK < r->n ? t0 + KEY_BLOCK : r->n;
             int d = 0;
             /* four sums at once: each is a chain of dependent additions */
             for (; d + 4 * LANES <= whole; d += 4 * LANES) {
-                vec *o = (vec *)(r->out + d);
+                vec *o = (vec *)(r->part + PART_OUT + d);
                 vec acc0 = o[0], acc1 = o[1], acc2 = o[2], acc3 = o[3];
                 for (int t = t0; t < end; t++) {
                     const vec *x = (const vec *)(v + t * a->v_stride[2] + d);
@@ -190,27 +212,51 @@ static void unit(const struct attention *a, int b, int head, int first, int coun
                 o[0] = acc0, o[1] = acc1, o[2] = acc2, o[3] = acc3;
             }
             for (; d < whole; d += LANES) {
-                vec acc = *(vec *)(r->out + d);
+                vec acc = *(vec *)(r->part + PART_OUT + d);
                 for (int t = t0; t < end; t++)
                     acc += r->s[t] * *(const vec *)(v + t * a->v_stride[2] + d);
-                *(vec *)(r->out + d) = acc;
+                *(vec *)(r->part + PART_OUT + d) = acc;
             }
             for (int d = whole; d < a->vdim; d++) {
-                float acc = r->out[d];
+                float acc = r->part[PART_OUT + d];
                 for (int t = t0; t < end; t++) acc += r->s[t] * v[t * a->v_stride[2] + d];
-                r->out[d] = acc;
+                r->part[PART_OUT + d] = acc;
             }
         }
-    for (struct row *r = rows; r < rows + count; r++) {
-        float sum = r->sum == 0 ? 1 : r->sum;
-        int d = 0;
-        for (; d < whole; d += LANES) *(vec *)(r->out + d) = *(vec *)(r->out + d) / sum;
-        for (; d < a->vdim; d++) r->out[d] = r->out[d] / sum;
-    }
+}
+
+/* Each row's output from its pieces, in key order: sum over pieces of out * w over the sum of
+   sum * w, w = exp(top - the largest top), pieces whose weights are all 0 left out. A row of
+   one piece gets out / sum: what one pass over its keys gives. */
+static void combine(const struct attention *a, const float *parts) {
+    int pieces = (a->keys + KEY_SPLIT - 1) / KEY_SPLIT, width = PART_OUT + a->vdim;
+    for (int b = 0; b < a->batch; b++)
+        for (int h = 0; h < a->heads; h++)
+            for (int i = 0; i < a->queries; i++) {
+                long row = ((long)b * a->heads + h) * a->queries + i;
+                const float *part = parts + row * pieces * width;
+                int seen = (keys_seen(a, i) + KEY_SPLIT - 1) / KEY_SPLIT;
+                float largest = -INFINITY, sum = 0;
+                for (int c = 0; c < seen; c++)
+                    if (part[c * width + PART_SUM] != 0 && part[c * width + PART_TOP] > largest)
+                        largest = part[c * width + PART_TOP];
+                float *out = a->out + row * a->vdim;
+                for (int d = 0; d < a->vdim; d++) out[d] = 0;
+                for (int c = 0; c < seen; c++) {
+                    const float *p = part + c * width;
+                    if (p[PART_SUM] == 0) continue;
+                    float w = expf(p[PART_TOP] - largest);
+                    sum += p[PART_SUM] * w;
+                    for (int d = 0; d < a->vdim; d++) out[d] += p[PART_OUT + d] * w;
+                }
+                sum = sum == 0 ? 1 : sum;
+                for (int d = 0; d < a->vdim; d++) out[d] = out[d] / sum;
+            }
 }
 
 struct call {
     const struct attention *a;
+    float *parts;
     atomic_int failed;
 };
 
@@ -237,29 +283,30 @@ static float *scratch(long wanted) {
     return held->s;
 }
 
-/* A share of a call's units (each sequence's key heads, their rows cut into chunks), one
-   for each thread: a unit reads its key head's keys whole, so a thread's units go in
-   order (units taken one at a time by whichever thread is free measured slower) */
+/* A share of a call's units (each sequence's key heads, their rows cut into chunks, their
+   keys into pieces), one for each thread: a unit reads its piece of its key head whole, so
+   a thread's units go in order (units taken one at a time by whichever thread is free
+   measured slower) */
 static void units(const void *task, int share) {
     struct call *call = (struct call *)task;
     const struct attention *a = call->a;
-    int group = a->heads / a->kv_heads * a->queries;
+    int group = a->heads / a->kv_heads * a->queries, pieces = (a->keys + KEY_SPLIT - 1) / KEY_SPLIT;
     int chunks = (group + ROW_CHUNK - 1) / ROW_CHUNK;
-    int total = a->batch * a->kv_heads * chunks, shares = pool_parts();
+    int total = a->batch * a->kv_heads * chunks * pieces, shares = pool_parts();
     int each = (total + shares - 1) / shares;
     int end = (share + 1) * each < total ? (share + 1) * each : total;
-    int stride = (a->keys + LANES - 1) / LANES * LANES;
     /* the rows' scores, then a block of keys transposed */
-    long held = (long)ROW_CHUNK * stride;
+    long held = (long)ROW_CHUNK * KEY_SPLIT;
     float *s = share * each < end ? scratch(held + (long)a->dim * LANES) : NULL;
     if (share * each < end && !s) {
         atomic_store(&call->failed, 1);
         return;
     }
     for (int u = share * each; u < end; u++) {
-        int c = u % chunks, head = u / chunks % a->kv_heads, b = u / chunks / a->kv_heads;
+        int piece = u % pieces, rest = u / pieces;
+        int c = rest % chunks, head = rest / chunks % a->kv_heads, b = rest / chunks / a->kv_heads;
         int first = c * ROW_CHUNK, count = group - first < ROW_CHUNK ? group - first : ROW_CHUNK;
-        unit(a, b, head, first, count, s, stride, (vec *)(s + held));
+        unit(a, b, head, first, count, piece * KEY_SPLIT, s, (vec *)(s + held), call->parts);
     }
 }
 
@@ -267,7 +314,13 @@ int mlxcs_attention(const struct attention *a) {
     if (a->kv_heads < 1 || a->heads % a->kv_heads || a->keys < 1 || a->keys > MAX_KEYS ||
         a->queries < 1 || a->queries > a->keys || a->mask_kind < 0 || a->mask_kind > 3)
         return -1;
-    struct call call = {a, 0};
+    long pieces = (a->keys + KEY_SPLIT - 1) / KEY_SPLIT;
+    float *parts = malloc(sizeof(float) * a->batch * a->heads * a->queries * pieces *
+                          (PART_OUT + a->vdim));
+    if (!parts) return -1;
+    struct call call = {a, parts, 0};
     pool_run(units, &call, pool_parts());
+    if (!atomic_load(&call.failed)) combine(a, parts);
+    free(parts);
     return atomic_load(&call.failed) ? -1 : 0;
 }
