@@ -21,7 +21,9 @@ Two workloads through the `openai` SDK, greedy, streamed with usage:
 Reported per server and workload: decode tokens/s per stream (completion tokens after the
 first over the time from the first to the last content chunk), median over the requests;
 ours over ours without speculation and over the peer; the draft tokens ours verified and
-accepted (from /metrics); and whether the replies are identical across servers.
+accepted (from /metrics), in all and per workload with the share accepted and a draft's
+mean accepted length (`acceptance`; the mixed workload's as "mixed"); and whether the
+replies are identical across servers.
 
     python bench/speculation.py [--tokens 400] [--rounds 2] [--servers ours,llama:ngram-simple]
 
@@ -124,9 +126,31 @@ def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
 
 
 def drafts(url: str) -> dict[str, float]:
+    """Our counters: draft tokens `drafted` and `accepted`, and `drafts` verified."""
     text = httpx.get(url + "/metrics").text
-    found = dict(re.findall(r"^mlx_speculation_(\w+)_tokens_total\{[^}]*\} (\S+)$", text, re.M))
-    return {k: float(v) for k, v in found.items()}
+    found = re.findall(r"^mlx_speculation_(\w+?)(?:_tokens)?_total\{[^}]*\} (\S+)$", text, re.M)
+    return {k: float(v) for k, v in found}
+
+
+def counted(url: str, model: str, prompts: list[list[dict]], tokens: int, grown: dict | None,
+            workload: str) -> list[dict]:  # fmt: skip
+    """`together`; with `grown` (ours), our counters' growth over it added to
+    `grown[workload]`."""
+    if grown is None:
+        return together(url, model, prompts, tokens)
+    before = drafts(url)
+    out = together(url, model, prompts, tokens)
+    after, total = drafts(url), grown.setdefault(workload, {})
+    for k in ("drafted", "accepted", "drafts"):
+        total[k] = total.get(k, 0.0) + after.get(k, 0.0) - before.get(k, 0.0)
+    return out
+
+
+def acceptance(grown: dict[str, float]) -> dict[str, float | None]:
+    """A workload's share of draft tokens accepted, and a draft's mean accepted length."""
+    drafted, accepted, drafts_ = grown["drafted"], grown["accepted"], grown["drafts"]
+    return {**grown, "rate": accepted / drafted if drafted else None,
+            "mean_accepted": accepted / drafts_ if drafts_ else None}  # fmt: skip
 
 
 def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)) -> None:
@@ -237,19 +261,24 @@ def main() -> None:
             url = started if kind == "llama" else f"http://127.0.0.1:{started.port}"
             one(url, served, chats[0], 8, [])  # warm up
             row: dict = {w: [] for w in WORKLOADS}
+            # ours: each workload's drafts (the mixed one's as "mixed")
+            grown: dict | None = {} if kind == "ours" else None
             for _ in range(args.rounds):
                 for prompt in edits:
-                    row["edit-1"] += together(url, served, [prompt], args.tokens)
-                row["edit-4"] += together(url, served, edits, args.tokens)
+                    row["edit-1"] += counted(url, served, [prompt], args.tokens, grown, "edit-1")
+                row["edit-4"] += counted(url, served, edits, args.tokens, grown, "edit-4")
                 for prompt in chats:
-                    row["chat-1"] += together(url, served, [prompt], args.tokens // 2)
-                mixed = together(url, served, [edits[0], *chats[1:]], args.tokens)
+                    row["chat-1"] += counted(url, served, [prompt], args.tokens // 2, grown,
+                                             "chat-1")  # fmt: skip
+                mixed = counted(url, served, [edits[0], *chats[1:]], args.tokens, grown, "mixed")
                 row["mixed-edit"] += [r for r in mixed if r["prompt"] == 0]
                 row["mixed-chat"] += [r for r in mixed if r["prompt"] != 0]
                 for at in range(0, len(shared), 4):
-                    row["sharegpt"] += together(url, served, shared[at : at + 4], args.tokens // 2)
+                    row["sharegpt"] += counted(url, served, shared[at : at + 4], args.tokens // 2,
+                                               grown, "sharegpt")  # fmt: skip
             if kind == "ours":
                 row["drafts"] = drafts(url)
+                row["acceptance"] = {w: acceptance(g) for w, g in (grown or {}).items()}
             results[name] = row
             print(f"[{name}] done", flush=True)
     summary: dict = {}
@@ -264,6 +293,7 @@ def main() -> None:
     if "ours" in results:
         d = results["ours"]["drafts"]
         summary["drafted"], summary["accepted"] = d.get("drafted"), d.get("accepted")
+        summary["acceptance"] = results["ours"]["acceptance"]
     args.out.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
     if summary:
         plot(summary, args.out.with_suffix(".png"))

@@ -203,6 +203,7 @@ class Batch(Entering, PromptSteps, Exits):
             request.accepted += accepted
         self.engine.stats.drafted += drafted
         self.engine.stats.accepted += accepted
+        self.engine.stats.drafts += 1
 
     def _recent_replies(self, uid: int) -> list[Any]:
         request = self.active.get(uid)

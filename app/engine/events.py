@@ -88,3 +88,4 @@ class EngineStats:
     failed: int = 0
     drafted: int = 0  # draft tokens verified (`speculative`)
     accepted: int = 0  # of which accepted
+    drafts: int = 0  # drafts verified: accepted / drafts is a draft's mean accepted length

@@ -103,10 +103,12 @@ def _drafts(engines: list[Engine]) -> Iterator[Metric]:
     accepted = CounterMetricFamily(
         "mlx_speculation_accepted_tokens", "Draft tokens accepted", labels=["model"]
     )
+    drafts = CounterMetricFamily("mlx_speculation_drafts", "Drafts verified", labels=["model"])
     for engine in engines:
         drafted.add_metric([engine.model_id], engine.stats.drafted)
         accepted.add_metric([engine.model_id], engine.stats.accepted)
-    yield from (drafted, accepted)
+        drafts.add_metric([engine.model_id], engine.stats.drafts)
+    yield from (drafted, accepted, drafts)
 
 
 def _caches(engines: list[Engine]) -> Iterator[Metric]:

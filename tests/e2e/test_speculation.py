@@ -336,9 +336,15 @@ def test_a_seeded_chat_completion_is_the_same_with_drafts_through_the_sdk():
                                for chunk in client.chat.completions.create(**params, stream=True)
                                if chunk.choices)  # fmt: skip
             metrics = httpx.get(live.url + "/metrics").text
-            accepted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                           if line.startswith("mlx_speculation_accepted_tokens_total"))  # fmt: skip
-            replies.append((whole, streamed, accepted))
-    (on, on_streamed, on_accepted), (off, off_streamed, off_accepted) = replies
+
+            def total(name: str, text: str = metrics) -> float:
+                return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith(f"mlx_speculation_{name}_total"))  # fmt: skip
+
+            counts = [total(n) for n in ("accepted_tokens", "drafted_tokens", "drafts")]
+            replies.append((whole, streamed, counts))
+    (on, on_streamed, on_counts), (off, off_streamed, off_counts) = replies
     assert on == on_streamed == off == off_streamed and len(on) > 40
-    assert on_accepted > 0 and off_accepted == 0
+    accepted, drafted, drafts = on_counts
+    assert 0 < accepted <= drafted and 0 < drafts <= drafted  # a draft is a token or more
+    assert off_counts == [0, 0, 0]
