@@ -162,10 +162,8 @@ class BlockInput : public mx::Primitive {
             std::vector<float> cosines(half), sines(half);
             for (int b = 0; b < batch; b++)
                 for (int t = 0; t < length; t++) {
-                    float position = (static_cast<float>(t) +
-                                      static_cast<float>(first[b * first_step])) *
-                                     scale;
-                    rope_angles(position, inv, half, cosines.data(), sines.data());
+                    rope_angles(t, first[b * first_step], scale, inv, half, cosines.data(),
+                                sines.data());
                     long r = static_cast<long>(b) * length + t;
                     for (int h = 0; h < heads; h++)
                         rope_row(&q[r * nq + h * qd], 1,

@@ -108,10 +108,8 @@ class Rope : public mx::UnaryPrimitive {
             std::vector<float> cosines(half), sines(half);
             for (int b = 0; b < batch; b++) {
                 for (int t = 0; t < positions; t++) {
-                    float position = (static_cast<float>(t) +
-                                      static_cast<float>(first[b * first_step])) *
-                                     scale;
-                    mlxcs::rope_angles(position, inv, half, cosines.data(), sines.data());
+                    mlxcs::rope_angles(t, first[b * first_step], scale, inv, half,
+                                       cosines.data(), sines.data());
                     for (int h = 0; h < heads; h++) {
                         const float* a = xs + b * s0 + h * s1 + t * s2;
                         float* r = o + ((static_cast<long>(b) * heads + h) * positions + t) * size;

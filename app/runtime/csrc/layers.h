@@ -55,10 +55,11 @@ inline void rms_norm_row(const float* a, long step, const float* w, long wstep, 
     for (long i = 0; i < n; i++) out[i] = (a[i * step] * k) * w[i * wstep];
 }
 
-/* RoPE's angles at `position` (already scaled): theta = position * inv_freq[i], its cosine
-   and sine by MLX's own `simd::cos` / `simd::sin`. */
-inline void rope_angles(float position, const float* inv_freq, int half, float* cosines,
-                        float* sines) {
+/* RoPE's angles at position `t` past `first`: (t + first) * scale, then theta = that *
+   inv_freq[i], its cosine and sine by MLX's own `simd::cos` / `simd::sin`. */
+inline void rope_angles(int t, int first, float scale, const float* inv_freq, int half,
+                        float* cosines, float* sines) {
+    float position = (static_cast<float>(t) + static_cast<float>(first)) * scale;
     for (int i = 0; i < half; i++) {
         mx::simd::Simd<float, 1> theta(position * inv_freq[i]);
         cosines[i] = mx::simd::cos(theta).value;
