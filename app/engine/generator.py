@@ -31,7 +31,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchRotatingKVCache
 
 from ..runtime.forward_together import forward_together, logits, supports
-from .draft_model import DraftModel, DraftState
+from .draft_model import DraftBatch, DraftModel
 from .drafting import MAX_DRAFT, Pace, PromptLookup
 from .speculative import can_verify, draft_length, longest_draft, verify
 
@@ -59,7 +59,7 @@ if not getattr(BatchRotatingKVCache.make_mask, "patched", False):
 class MixedGenerator(BatchGenerator):
     """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass,
     and (`speculation`) streams' step that verifies their drafts: prompt lookup's,
-    or for a lone stream where that finds none, the draft model's (`draft`)."""
+    or where that finds none, the draft model's (`draft`)."""
 
     def __init__(
         self,
@@ -71,9 +71,10 @@ class MixedGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self.together = supports(model)  # off: every step is mlx-lm's own
         self.speculation, self.draft_model = speculation, draft
-        # Each stream's lookup index, its pace, and its draft model's KV once it drafted alone.
-        self._drafting: dict[int, tuple[PromptLookup, Pace, DraftState | None]] = {}
-        self._from_model: DraftState | None = None  # the step's draft came from it
+        # Each stream's lookup index, its pace, and its pace for the draft model's drafts.
+        self._drafting: dict[int, tuple[PromptLookup, Pace, Pace]] = {}
+        self._model_batch: DraftBatch | None = None  # the draft model's KV, once it drafted
+        self._modelled: list[bool] = []  # the step's streams whose draft is the model's
         self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
         # A new stream's other texts to draft from: its tenant's recent replies (`replies`).
         self.recent_for: Callable[[int], list[PromptLookup]] = lambda uid: []
@@ -81,6 +82,7 @@ class MixedGenerator(BatchGenerator):
     def _next(self) -> tuple[list[Any], list[Any]]:
         chunk = self._chunk_beside() if self.together else None
         if chunk is None:
+            self._modelled = []
             drafts = self._drafts() if self.speculation else []
             if not drafts:
                 return super()._next()
@@ -102,56 +104,75 @@ class MixedGenerator(BatchGenerator):
 
     def _drafts(self) -> list[list[int]]:
         """A draft for each stream for the next step: its prompt-lookup guess, as long as its
-        `Pace` says and its `max_tokens` leaves room for, or for a lone stream where lookup
-        finds none the draft model's, all cut to `draft_length`; [] for a plain step, when no
-        stream has one or too few do (a stream without one rides along: `speculative`)."""
+        `Pace` says and its `max_tokens` leaves room for, or where lookup finds none the draft
+        model's, as long as the stream's pace for those says; all cut to `draft_length`; []
+        for a plain step, when no stream has one or too few do (a stream without one rides
+        along: `speculative`)."""
         streams = self._generation_batch
         if not can_verify(streams):
             return []
         uids = streams.uids
         self._drafting = {u: d for u, d in self._drafting.items() if u in uids}
-        self._from_model = None
-        lone, longest = len(uids) == 1, longest_draft(len(uids))
-        modelled = lone and self.draft_model is not None
+        longest = longest_draft(len(uids))
         for uid in uids:
             if uid not in self._drafting:
-                self._drafting[uid] = (PromptLookup(self.recent_for(uid)), Pace(), None)
-        # Every stream's pace counts its step, drafted or not; a plain step is known before
+                self._drafting[uid] = (PromptLookup(self.recent_for(uid)), Pace(), Pace())
+        # Every stream's paces count its step, drafted or not; a plain step is known before
         # the wait for the last step's tokens, which a plain step does not need.
         rooms = [m - n - 1 for m, n in zip(streams.max_tokens, streams._num_tokens, strict=True)]
-        lengths = []
+        lengths, modelled = [], []
         for uid, room, tokens in zip(uids, rooms, streams.tokens, strict=True):
-            lookup, pace, _ = self._drafting[uid]
+            lookup, pace, by_model = self._drafting[uid]
             lookup.extend(tokens[len(lookup.tokens) :])  # the tokens known without the wait
             run = lookup.run(MAX_DRAFT) if not pace.paused and pace.k < MAX_DRAFT else 0
             lengths.append(min(pace.next_length(run), room, longest))
-        if not modelled and max(lengths) <= 0:
+            most = 0
+            if self.draft_model is not None:
+                most = min(by_model.next_length(), self.draft_model.tokens, room, longest)
+            modelled.append(max(most, 0))
+        if max(lengths) <= 0 and max(modelled) <= 0:
             return []
         drafts = []
         for i, (uid, last) in enumerate(zip(uids, streams._next_tokens.tolist(), strict=True)):
-            lookup, pace, state = self._drafting[uid]
+            lookup = self._drafting[uid][0]
             lookup.extend([last])
-            draft = lookup.draft(lengths[i]) if lengths[i] > 0 else []
-            if not draft and modelled and rooms[i] > 0:
-                if state is None:
-                    state = self.draft_model.start()
-                    self._drafting[uid] = (lookup, pace, state)
-                draft = state.draft(lookup.tokens, min(self.draft_model.tokens, rooms[i], longest))
-                self._from_model = state
-            drafts.append(draft)
-        k = draft_length([len(d) for d in drafts], [self._drafting[u][1].rate for u in uids])
+            drafts.append(lookup.draft(lengths[i]) if lengths[i] > 0 else [])
+        self._modelled = [bool(n) and not d for n, d in zip(modelled, drafts, strict=True)]
+        if self.draft_model is not None:
+            drafts = self._model_drafts(uids, drafts, modelled)
+        paces = [
+            self._drafting[u][2 if m else 1] for u, m in zip(uids, self._modelled, strict=True)
+        ]
+        rates = [pace.rate for pace in paces]
+        k = draft_length([len(d) for d in drafts], rates)
         return [d[:k] for d in drafts] if k else []
+
+    def _model_drafts(
+        self, uids: list[int], drafts: list[list[int]], lengths: list[int]
+    ) -> list[list[int]]:
+        """`drafts`, the draft model's drafts (as long as `lengths`) in place of the
+        streams' that lookup left empty; the draft model's batch kept up with the streams
+        (`DraftBatch`) whether it drafts this step or not."""
+        if self._model_batch is None:
+            if not any(self._modelled):
+                return drafts
+            self._model_batch = self.draft_model.start()
+        k = max((n for n, m in zip(lengths, self._modelled, strict=True) if m), default=0)
+        sequences = [self._drafting[u][0].tokens for u in uids]
+        made = self._model_batch.draft(uids, sequences, k)
+        rows = zip(drafts, made, lengths, self._modelled, strict=True)
+        return [m[:n] if own else d for d, m, n, own in rows]
 
     def _verified(self, streams: Any, drafts: list[list[int]]) -> list[Any]:
         uids = list(streams.uids)  # before the step: it drops the streams that end
         responses, agreed, used = verify(streams, drafts)
-        if self._from_model is not None:
-            self._from_model.accept(agreed[0])
-        for uid, draft, ok, emitted in zip(uids, drafts, agreed, used, strict=True):
+        modelled = self._modelled or [False] * len(uids)  # [] for drafts not `_drafts`'
+        rows = zip(uids, drafts, agreed, used, modelled, strict=True)
+        for uid, draft, ok, emitted, by_model in rows:
             if not draft:
                 continue
-            if self._from_model is None and uid in self._drafting:
-                self._drafting[uid][1].saw(len(draft), ok)
+            if uid in self._drafting:
+                self._drafting[uid][2 if by_model else 1].saw(len(draft), ok)
             if self.on_verified is not None:
                 self.on_verified(uid, len(draft), emitted)
         return responses

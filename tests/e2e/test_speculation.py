@@ -252,6 +252,56 @@ def test_a_draft_model_drafts_where_lookup_finds_nothing(tiny_model_dir, tmp_pat
         off.stop()
 
 
+@pytest.mark.parametrize("served, draft_seed", [("tiny", 0), ("tiny", 1), ("default", 0)])
+def test_streams_decoding_together_draft_from_the_draft_model_in_one_pass(
+    tiny_model_dir, tmp_path, monkeypatch, served, draft_seed
+):
+    """Three streams with nothing to look up, decoding together: the draft model drafts for
+    all of them in one batch (its passes seen with several rows), each reply the plain one;
+    where the draft model is the target itself, every draft is what the stream went on with."""
+    from app.engine.draft_model import DraftBatch
+    from app.models.default_model import default_model_dir
+    from tests.tiny_model import build_tiny_model
+
+    calls, draft = [], DraftBatch.draft
+
+    def seen(self, uids, sequences, k):
+        drafts = draft(self, uids, sequences, k)
+        if k:
+            calls.append((list(uids), [list(s) for s in sequences], drafts))
+        return drafts
+
+    monkeypatch.setattr(DraftBatch, "draft", seen)
+    target = tiny_model_dir if served == "tiny" else default_model_dir()
+    model = target if draft_seed == 0 else build_tiny_model(tmp_path / "d", seed=1)
+    on = engine_for(str(target), True, draft_model=str(model), num_draft_tokens=4)
+    off = engine_for(str(target), False)
+    try:
+        texts = ("qzx vbn wkj", "plm", "Name three colours of the rainbow and a fruit of each.")
+        prompts = [list(on.tokenizer.encode(t)) for t in texts]
+        runs = [Run() for _ in prompts]
+        for tokens, run in zip(prompts, runs, strict=True):
+            on.submit(tokens, SamplingParams(max_tokens=40, temperature=0.0), run)
+        assert all(run.done.wait(300) for run in runs)
+        for tokens, run in zip(prompts, runs, strict=True):
+            want = ask(off, tokens, max_tokens=40)
+            assert (run.text, run.finished.reason) == (want.text, want.finished.reason)
+            assert run.finished.drafted > 0
+    finally:
+        on.stop()
+        off.stop()
+    assert max(len(uids) for uids, _, _ in calls) == len(prompts)
+    if draft_seed == 0:  # each draft, as far as its stream went on, is what it went on with
+        last = {u: s for uids, seqs, _ in calls for u, s in zip(uids, seqs, strict=True)}
+        checked = 0
+        for uids, seqs, drafts in calls:
+            for u, s, d in zip(uids, seqs, drafts, strict=True):
+                went_on = last[u][len(s) : len(s) + len(d)]
+                assert d[: len(went_on)] == went_on
+                checked += len(went_on)
+        assert checked >= 20
+
+
 def test_a_draft_model_of_another_tokenizer_is_refused(tiny_model_dir):
     from app.models.default_model import default_model_dir
 
