@@ -31,8 +31,9 @@ The plot (`--out` with .png: each workload's tokens/s by server) is drawn after 
 from a saved result with `--report`.
 
 `--pass-cost` measures instead what the batch rule in `app/engine/speculative.py` rests on:
-one forward pass of the default model over B rows of P positions each at 1,500 tokens of
-context, in-process, against P=1 (median of 10 passes; printed, no result file).
+one forward pass of the default model over B rows, D of them P positions long and the
+others 1 (padded to P, as a verification pass runs them), at 1,500 tokens of context,
+in-process, against P=1 (median of 10 passes; printed, no result file).
 """
 
 from __future__ import annotations
@@ -153,35 +154,47 @@ def acceptance(grown: dict[str, float]) -> dict[str, float | None]:
             "mean_accepted": accepted / drafts_ if drafts_ else None}  # fmt: skip
 
 
-def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)) -> None:
+def pass_cost(context: int = 1500, rows=(1, 2, 4), positions=(1, 2, 4, 8, 16)) -> None:
     reexec_preloaded(sys.argv)  # the server's BLAS and kernels, before MLX is imported
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache
 
+    from app.engine.last_logits import positions_logits
     from app.runtime import cpu_fast_path
+    from app.runtime.live_positions import live_positions
 
     model, _ = load(str(default_model_dir()))
     cpu_fast_path.install(model)  # as the server runs it
+
+    def median_pass(cache: list, lengths: list[int]) -> float:
+        """A pass as `speculative.verify` runs it: rows padded to the longest, the fillers
+        skipped and not projected."""
+        b, p = len(lengths), max(lengths)
+        live = mx.array([r * p + t for r, n in enumerate(lengths) for t in range(n)])
+        times = []
+        for _ in range(12):
+            t = time.perf_counter()
+            with live_positions(lengths, p):
+                mx.eval(positions_logits(model, mx.ones((b, p), dtype=mx.uint32), cache, live))
+            times.append(time.perf_counter() - t)
+            for c in cache:
+                c.trim(p)
+        return statistics.median(times[2:])
+
     for b in rows:
         cache = [BatchKVCache([0] * b) for _ in model.layers]
         prompt = mx.array([[(i * 7 + r) % 30000 for i in range(context)] for r in range(b)])
         for at in range(0, context, 512):
             model(prompt[:, at : at + 512], cache=cache)
             mx.eval([c.keys for c in cache])
-        base, cells = None, []
-        for p in positions:
-            times = []
-            for _ in range(12):
-                t = time.perf_counter()
-                mx.eval(model(mx.ones((b, p), dtype=mx.uint32), cache=cache))
-                times.append(time.perf_counter() - t)
-                for c in cache:
-                    c.trim(p)
-            median = statistics.median(times[2:])
-            base = base or median
-            cells.append(f"P={p}: {median * 1000:.0f} ms ({median / base:.2f}x)")
-        print(f"B={b}  " + "  ".join(cells), flush=True)
+        for drafting in sorted({1, b // 2, b} - {0}):
+            base, cells = None, []
+            for p in positions:
+                median = median_pass(cache, [p] * drafting + [1] * (b - drafting))
+                base = base or median
+                cells.append(f"P={p}: {median * 1000:.0f} ms ({median / base:.2f}x)")
+            print(f"B={b}, {drafting} drafting  " + "  ".join(cells), flush=True)
 
 
 LABELS = {"ours": "ours", "ours-plain": "ours, no speculation", "peer": "mlx_lm.server",

@@ -7,7 +7,9 @@ positions. After each position the row's sampler draws the token a plain step wo
 drawn there (greedy: the argmax; sampled: a draw from the row's own filtered distribution,
 its key split once a draw as a plain step splits it); the draft's tokens that equal those
 draws are the row's accepted ones, and the step emits, for every row, its token and those.
-A row without a draft (or with a shorter one) is filled out with tokens it never keeps.
+A row without a draft (or with a shorter one) is filled out with tokens it never keeps,
+which the pass does not compute where our kernels run it (`live_positions`) and does not
+project to logits (`positions_logits`).
 The rows share one KV index (`BatchKVCache` keeps one `_idx` for the batch): the positions
 past the most any row accepted are trimmed off, and each row's own rejected ones below
 that become gaps its masks hide (`gapped_cache`). A seeded sampler's key goes back to what
@@ -41,17 +43,20 @@ from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from ..runtime import cpu_logprobs
+from ..runtime.live_positions import live_positions
 from .drafting import ACCEPTED
 from .gapped_cache import GappedKVCache
+from .last_logits import positions_logits
 from .sampling import Categorical
 
 # A pass's rows and positions (rows times k+1) at most: as far as the pass-cost model
 # below was measured (`--pass-cost` in bench/speculation.py; bench/README.md, "Decode
 # kernels").
 MAX_ROWS, MAX_POSITIONS = 4, 64
-# A pass over P positions a row costs about 1 + (P-1) * (PER_POSITION + PER_ROW * rows)
-# times one over a position a row, on this CPU (`--pass-cost`).
-PER_POSITION, PER_ROW = 0.036, 0.053
+# A pass over B rows costs about 1 + PER_ROW * (B-1) times a lone stream's step, and
+# PER_DRAFTED more for each drafted position of any row; the fillers that pad the shorter
+# rows cost next to nothing (`live_positions`), nor does the pass's width (`--pass-cost`).
+PER_DRAFTED, PER_ROW = 0.116, 0.22
 
 
 def longest_draft(rows: int) -> int:
@@ -64,14 +69,17 @@ def draft_length(lengths: list[int], rates: list[float] | None = None) -> int:
     each stream's draft cut to it: the length whose expected tokens for what its pass costs
     beat a plain step's most; 0 for a plain step. `rates`: the share of each stream's
     drafted tokens it expects accepted (`drafting.Pace.rate`; `ACCEPTED` each if None). A
-    stream alone drafts all it has; one drafting stream among four costs the others more
-    than it gains unless its drafts are nearly always right, two do not."""
+    stream alone drafts what it has unless its drafts are nearly always wrong; beside
+    others, whose plain step shares the pass, a drafted position has to be accepted more
+    often to pay."""
     rows = len(lengths)
     rates = rates or [ACCEPTED] * rows
-    best, best_rate = 0, float(rows)
+    plain = 1 + PER_ROW * (rows - 1)
+    best, best_rate = 0, rows / plain
     for k in range(1, min(max(lengths, default=0), longest_draft(rows)) + 1):
-        tokens = rows + sum(r * min(n, k) for n, r in zip(lengths, rates, strict=True))
-        rate = tokens / (1 + k * (PER_POSITION + PER_ROW * rows))
+        drafted = [min(n, k) for n in lengths]
+        tokens = rows + sum(r * d for d, r in zip(drafted, rates, strict=True))
+        rate = tokens / (plain + PER_DRAFTED * sum(drafted))
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -119,9 +127,18 @@ def verify(
     k = max(len(d) for d in drafts)
     first = batch._next_tokens
     rows = mx.array([d + [0] * (k - len(d)) for d in drafts], dtype=first.dtype)
-    logits = batch.model(mx.concatenate([first[:, None], rows], axis=1), cache=batch.prompt_cache)
+    inputs = mx.concatenate([first[:, None], rows], axis=1)
+    lengths = [1 + len(d) for d in drafts]
+    if min(lengths) == k + 1:
+        logits = batch.model(inputs, cache=batch.prompt_cache)
+    else:  # the fillers computed by no block that can skip them, projected by no head
+        live, spread = _live(lengths, k + 1)
+        with live_positions(lengths, k + 1):
+            logits = positions_logits(batch.model, inputs, batch.prompt_cache, live)
     # B*(k+1) rows: numpy's vectorized exp where the CPU fast path is on (`cpu_logprobs`).
     logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
+    if min(lengths) < k + 1:  # a filler's, its row's last live position's: never read
+        logprobs = logprobs[spread].reshape(len(drafts), k + 1, -1)
     chosen, keys = _drawn(batch, logprobs)
     mx.eval(chosen, logprobs, batch._next_logprobs)
     model_says, firsts = chosen.tolist(), first.tolist()
@@ -156,6 +173,17 @@ def verify(
         batch._next_tokens = chosen[mx.array(keep), mx.array([agreed[i] for i in keep])]
         batch._next_logprobs = [logprobs[i, agreed[i]] for i in keep]
     return out, agreed, used
+
+
+def _live(lengths: list[int], width: int) -> tuple[mx.array, mx.array]:
+    """A pass's live positions (each row's first `lengths[b]` of `width`) in its rows
+    flattened; and for each of its positions the live one it takes its logits from."""
+    live, spread, start = [], [], 0
+    for b, n in enumerate(lengths):
+        live += range(b * width, b * width + n)
+        spread += [start + min(t, n - 1) for t in range(width)]
+        start += n
+    return mx.array(live), mx.array(spread)
 
 
 def _drawn(batch: GenerationBatch, logprobs: mx.array) -> tuple[mx.array, list[Any]]:

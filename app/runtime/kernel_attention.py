@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import native
+from .live_positions import lengths_for
 
 MAX_QUERIES = 16  # queries a sequence: a decode step's 1 to a long draft's pass
 MAX_KEYS = 1 << 20  # as `csrc/attention.c`
@@ -47,6 +48,7 @@ class _Attention(ctypes.Structure):
         ("q_stride", _long3), ("k_stride", _long3), ("v_stride", _long3),
         ("mask", ctypes.c_void_p), ("mask_stride", _long4),
         ("out", ctypes.c_void_p),
+        ("live", ctypes.c_void_p),  # NULL here: every query computed
     ]  # fmt: skip
 
 
@@ -99,7 +101,8 @@ def attention(
     ops = native.layers() if primitive else None
     if ops is not None and ops.has_attention():
         held = mask if kind in (BOOL_MASK, ADDITIVE_MASK) else None
-        return ops.attention(queries, keys, values, held, scale, kind)
+        live = lengths_for(b, n_q)  # a verification pass's live queries (`live_positions`)
+        return ops.attention(queries, keys, values, held, scale, kind, live)
     return _called(queries, keys, values, scale, mask, kind)
 
 

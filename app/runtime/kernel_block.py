@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 from . import kernel_layers, native
+from .live_positions import lengths_for
 
 enabled = True  # off: swapped blocks run mlx-lm's call, as before
 
@@ -43,32 +44,36 @@ class Block(llama.TransformerBlock):
         first = kernel_layers.first_positions(cache.offset if cache is not None else 0, x.shape[0])
         if first is None or not all(w.dtype == mx.float32 for w in _weights(self)):
             return super().__call__(x, mask, cache)
-        attn = self.self_attn
+        attn, lengths = self.self_attn, lengths_for(x.shape[0], x.shape[1])
         try:  # before the cache's update: weights swapped since `install` may be refused
-            q, k, v = _inputs(ops, self, x, first)
+            q, k, v = _inputs(ops, self, x, first, lengths)
         except ValueError:
             return super().__call__(x, mask, cache)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         attend = sys.modules[type(attn).__module__].scaled_dot_product_attention
         out = attend(q, k, v, cache=cache, scale=attn.scale, mask=mask)
-        return _output(ops, self, x, out)
+        return _output(ops, self, x, out, lengths)
 
 
-def _inputs(ops: Any, layer: Any, x: mx.array, first: mx.array) -> list[mx.array]:
+def _inputs(
+    ops: Any, layer: Any, x: mx.array, first: mx.array, lengths: mx.array | None = None
+) -> list[mx.array]:
     attn, rope = layer.self_attn, layer.self_attn.rope
     return ops.block_input(
         x, layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
         attn.v_proj.weight, first, rope._inv_freq, layer.input_layernorm.eps,
-        attn.n_heads, attn.n_kv_heads, rope.dims, rope.traditional, rope.scale,
+        attn.n_heads, attn.n_kv_heads, rope.dims, rope.traditional, rope.scale, lengths,
     )  # fmt: skip
 
 
-def _output(ops: Any, layer: Any, x: mx.array, attended: mx.array) -> mx.array:
+def _output(
+    ops: Any, layer: Any, x: mx.array, attended: mx.array, lengths: mx.array | None = None
+) -> mx.array:
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     return ops.block_output(
         x, attended, attn.o_proj.weight, norm.weight, mlp.gate_proj.weight,
-        mlp.up_proj.weight, mlp.down_proj.weight, norm.eps,
+        mlp.up_proj.weight, mlp.down_proj.weight, norm.eps, lengths,
     )  # fmt: skip
 
 

@@ -198,9 +198,19 @@ def test_a_seeded_sampled_reply_is_drafted_and_is_the_one_it_is_without(engines,
         assert on.stats.accepted > accepted  # it copies the source back, drafts and all
 
 
-def test_two_streams_verify_drafts_together_and_decode_as_without(engines):
+def test_two_streams_verify_drafts_together_and_decode_as_without(engines, monkeypatch):
     """A second stream joins the first: they verify their drafts in one pass (the short
-    one runs beside the long one throughout), and every reply is as without speculation."""
+    one runs beside the long one throughout, rows of unequal drafts computed as far as
+    each goes: `live_positions`), and every reply is as without speculation."""
+    import app.engine.speculative as speculative
+
+    ragged, live = [], speculative.live_positions
+
+    def seen(lengths, width):
+        ragged.append(lengths)
+        return live(lengths, width)
+
+    monkeypatch.setattr(speculative, "live_positions", seen)
     out = []
     for engine in engines[:2]:
         tokens = prompt_of(engine)
@@ -212,6 +222,7 @@ def test_two_streams_verify_drafts_together_and_decode_as_without(engines):
         out.append((long.text, short.text, long.finished.reason, short.finished.reason))
         if engine is engines[0] and engines[2] == "default":
             assert short.finished.drafted > 0 and short.finished.accepted > 0
+            assert any(len(set(lengths)) > 1 for lengths in ragged)
     assert out[0] == out[1]
 
 

@@ -113,15 +113,17 @@ def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
     assert draft_length([100]) == longest_draft(1)
     assert draft_length([0]) == draft_length([0, 0]) == 0
     assert draft_length([3, 3, 3, 3]) == 3
-    assert draft_length([5, 0]) == 5  # one of two streams drafting pays for the other's row
-    # One of four does not: the rows of positions it fills but never keeps cost more.
-    assert draft_length([3, 0, 0, 0]) == draft_length([8, 0, 0, 0]) == 0
-    assert draft_length([3, 3, 0, 0]) == draft_length([3, 3, 3, 0]) == 3
+    assert draft_length([5, 0]) == 5
+    # The rows a shorter draft leaves are not computed: one of four drafting pays too.
+    assert draft_length([3, 0, 0, 0]) == 3 and draft_length([8, 0, 0, 0]) == 8
     assert draft_length([1, 7]) == 7  # as long as the longer draft, no longer
     assert draft_length([1, 40]) == longest_draft(2)
-    # What each stream's drafts have been accepted at decides too: one of four that is
-    # always right pays for the others' rows; drafts that are nearly always wrong do not.
-    assert draft_length([8, 0, 0, 0], [1.0, 0.75, 0.75, 0.75]) == 8
+    # What each stream's drafts have been accepted at decides: drafts right one time in
+    # five pay for a stream alone, not beside three others, whose plain step the pass
+    # shares; drafts that are nearly always wrong pay for none.
+    assert draft_length([8], [0.2]) == 8
+    assert draft_length([8, 0, 0, 0], [0.2, 0.75, 0.75, 0.75]) == 0
+    assert draft_length([8, 8, 0, 0], [0.2, 1.0, 0.75, 0.75]) == 8
     assert draft_length([8] * 4, [0.05] * 4) == draft_length([8], [0.05]) == 0
 
 

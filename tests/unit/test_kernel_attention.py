@@ -211,3 +211,23 @@ def test_both_ways_give_the_same_bits(route, monkeypatch):
             m.setattr(kernel_attention, "_called", not_this_way if route == "called" else CALLED)
             there = np.array(ours(q, k, v, mask))
         assert np.array_equal(here, there), mask if isinstance(mask, str) else type(mask)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool"])
+def test_a_pass_s_live_queries_only_have_the_same_bits_and_the_fillers_are_zeros(route, mask):
+    from app.runtime.live_positions import live_positions
+
+    q, k, v = operands(4, 9, 3, 8, 600)
+    held = mask
+    if mask == "bool":
+        held = mx.array(np.random.default_rng(0).random((4, 1, 8, 600)) > 0.2)
+    lengths = [8, 1, 3, 0]
+    full = np.asarray(ours(q, k, v, held))
+    with live_positions(lengths, 8):
+        live = np.asarray(ours(q, k, v, held))
+        other = np.asarray(ours(q[:, :, :4], k, v, "causal"))  # another width: every query
+    for b, n in enumerate(lengths):
+        assert np.array_equal(live[b, :, :n], full[b, :, :n])
+        if route == "node":  # called from Python, the kernel computes every query
+            assert not live[b, :, n:].any()
+    assert np.array_equal(other, np.asarray(ours(q[:, :, :4], k, v, "causal")))

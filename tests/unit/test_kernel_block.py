@@ -95,6 +95,41 @@ def test_the_block_gives_the_model_s_own_bits(tmp_path, monkeypatch, counted, co
 
 
 @built
+@pytest.mark.parametrize("served", ["tiny", "default"])
+def test_a_pass_s_live_positions_only_have_the_same_bits(tmp_path, served):
+    """Rows padded to the longest: computed or not, a live position's logits and KV are
+    the same, to the bit where the kernels library takes every product (each row summed
+    alone: the default model), to float32 rounding where the BLAS's sums depend on the
+    rows beside (the tiny model's); the fillers' KV is zeros, their outputs finite."""
+    from app.models.default_model import default_model_dir
+    from app.runtime.live_positions import live_positions
+
+    exact = served == "default" and native.loaded() is not None
+    model = load(str(build_tiny_model(tmp_path) if served == "tiny" else default_model_dir()))[0]
+    cpu_fast_path.install(model)
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79] * 3] * 3)
+    step = mx.array([[26, 7, 9, 4, 1], [53, 1, 2, 8, 8], [5, 6, 7, 3, 3]])
+    lengths = [5, 1, 2]
+    got = []
+    for live in (False, True):
+        cache = [BatchKVCache(left_padding=[0, 2, 1]) for _ in model.layers]
+        model(prompt, cache=cache)
+        if live:
+            with live_positions(lengths, 5):
+                out = model(step, cache=cache)
+        else:
+            out = model(step, cache=cache)
+        got.append([np.asarray(a) for a in (out, cache[0].keys[..., 24:29, :], cache[-1].values)])
+    (full, full_keys, _), (ragged, keys, values) = got
+    assert np.isfinite(ragged).all()
+    same = np.array_equal if exact else lambda a, b: np.allclose(a, b, rtol=1e-4, atol=1e-4)
+    for b, n in enumerate(lengths):
+        assert same(ragged[b, :n], full[b, :n])
+        assert same(keys[b, :, :n], full_keys[b, :, :n])
+        assert not keys[b, :, n:].any() and not values[b, :, 24 + n : 29].any()
+
+
+@built
 def test_weights_the_ops_refuse_send_the_block_to_mlx_lm_s(tmp_path, monkeypatch):
     model = load(str(build_tiny_model(tmp_path)))[0]
     cpu_fast_path.install(model)

@@ -104,6 +104,11 @@ static inline __attribute__((always_inline)) void block_dots(const struct row *r
     for (int g = 0; g < group; g++) dots[g] = even[g] + odd[g];
 }
 
+/* batch row b's queries computed: its first ones, where `live` says (fillers after them) */
+static int live_queries(const struct attention *a, int b) {
+    return a->live && a->live[b] < a->queries ? (a->live[b] > 0 ? a->live[b] : 0) : a->queries;
+}
+
 static int keys_seen(const struct attention *a, int i) {
     return a->mask_kind == CAUSAL ? a->keys - a->queries + i + 1 : a->keys;
 }
@@ -123,9 +128,9 @@ static void unit(const struct attention *a, int b, int head, int first, int coun
     const unsigned char *bools = a->mask;
     const float *adds = a->mask;
     struct row rows[ROW_CHUNK];
-    int most = k0, kept = 0;
+    int most = k0, kept = 0, queries = live_queries(a, b);
     for (int r = 0; r < count; r++) {
-        int h = head * per + (first + r) / a->queries, i = (first + r) % a->queries;
+        int h = head * per + (first + r) / queries, i = (first + r) % queries;
         int n = keys_seen(a, i), end = k0 + KEY_SPLIT;
         if (n <= k0)
             continue; /* no key of this piece: `combine` does not read its part */
@@ -235,7 +240,7 @@ static void combine(const struct attention *a, const float *parts) {
             for (int i = 0; i < a->queries; i++) {
                 long row = ((long)b * a->heads + h) * a->queries + i;
                 const float *part = parts + row * pieces * width;
-                int seen = (keys_seen(a, i) + KEY_SPLIT - 1) / KEY_SPLIT;
+                int seen = i < live_queries(a, b) ? (keys_seen(a, i) + KEY_SPLIT - 1) / KEY_SPLIT : 0;
                 float largest = -INFINITY, sum = 0;
                 for (int c = 0; c < seen; c++)
                     if (part[c * width + PART_SUM] != 0 && part[c * width + PART_TOP] > largest)
@@ -290,9 +295,10 @@ static float *scratch(long wanted) {
 static void units(const void *task, int share) {
     struct call *call = (struct call *)task;
     const struct attention *a = call->a;
-    int group = a->heads / a->kv_heads * a->queries, pieces = (a->keys + KEY_SPLIT - 1) / KEY_SPLIT;
-    int chunks = (group + ROW_CHUNK - 1) / ROW_CHUNK;
-    int total = a->batch * a->kv_heads * chunks * pieces, shares = pool_parts();
+    int per = a->heads / a->kv_heads, pieces = (a->keys + KEY_SPLIT - 1) / KEY_SPLIT;
+    int total = 0, shares = pool_parts();
+    for (int b = 0; b < a->batch; b++)
+        total += a->kv_heads * ((per * live_queries(a, b) + ROW_CHUNK - 1) / ROW_CHUNK) * pieces;
     int each = (total + shares - 1) / shares;
     int end = (share + 1) * each < total ? (share + 1) * each : total;
     /* the rows' scores, then a block of keys transposed */
@@ -302,9 +308,16 @@ static void units(const void *task, int share) {
         atomic_store(&call->failed, 1);
         return;
     }
+    int b = 0, start = 0; /* the batch row of unit u, and its first unit */
     for (int u = share * each; u < end; u++) {
-        int piece = u % pieces, rest = u / pieces;
-        int c = rest % chunks, head = rest / chunks % a->kv_heads, b = rest / chunks / a->kv_heads;
+        int group, chunks;
+        for (;;) {
+            group = per * live_queries(a, b), chunks = (group + ROW_CHUNK - 1) / ROW_CHUNK;
+            if (u < start + a->kv_heads * chunks * pieces) break;
+            start += a->kv_heads * chunks * pieces, b++;
+        }
+        int piece = (u - start) % pieces, rest = (u - start) / pieces;
+        int c = rest % chunks, head = rest / chunks;
         int first = c * ROW_CHUNK, count = group - first < ROW_CHUNK ? group - first : ROW_CHUNK;
         unit(a, b, head, first, count, piece * KEY_SPLIT, s, (vec *)(s + held), call->parts);
     }

@@ -15,6 +15,9 @@ struct attention {
     const void *mask;
     long mask_stride[4];
     float *out; /* (batch, heads, queries, vdim), contiguous */
+    /* NULL, or for each batch row the queries computed, its first live[b]: the others
+       (the fillers of a verification pass's shorter rows) come out zeros */
+    const int *live;
 };
 
 /* 0, or -1 where it does not compute it (the caller takes MLX's path): shapes it does not

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "layers.h"
@@ -127,6 +129,18 @@ bool weight_ok(const mx::array& w, int rows, int columns) {
            w.shape(1) == columns && w.is_available() && w.flags().row_contiguous;
 }
 
+/* The rows (b * length + t) the op computes: every row, or with counts `n` (a verification
+   pass's `lengths`, one a batch row, `step` apart) only each batch row's first n[b]
+   positions; the others are fillers whose results are never read (a pass's rows padded
+   to its longest draft) */
+std::vector<long> live_rows(const int* n, long step, int batch, int length) {
+    std::vector<long> live;
+    for (int b = 0; b < batch; b++)
+        for (int t = 0; t < (n ? std::min(n[b * step], length) : length); t++)
+            live.push_back(static_cast<long>(b) * length + t);
+    return live;
+}
+
 class BlockInput : public mx::Primitive {
   public:
     BlockInput(mx::Stream stream, float eps, int heads, int kv_heads, int dims, bool traditional,
@@ -151,31 +165,38 @@ class BlockInput : public mx::Primitive {
         float *qs = out[0].data<float>(), *ks = out[1].data<float>(), *vs = out[2].data<float>();
         float eps = eps_, scale = scale_;
         sgemm_fn f = sgemm();
+        const int* counts = in.size() > 7 ? in[7].data<int>() : nullptr;
+        long counts_step = in.size() > 7 ? in[7].strides()[0] : 0;
+        size_t sizes[3] = {out[0].nbytes(), out[1].nbytes(), out[2].nbytes()};
         mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
-            long rows = static_cast<long>(batch) * length;
+            std::vector<long> live = live_rows(counts, counts_step, batch, length);
+            long rows = static_cast<long>(live.size());
+            if (rows < static_cast<long>(batch) * length) {  // fillers: zeros, never read
+                std::memset(qs, 0, sizes[0]);
+                std::memset(ks, 0, sizes[1]);
+                std::memset(vs, 0, sizes[2]);
+            }
             Scratch normed(rows * width), q(rows * nq), k(rows * nk), v(rows * nv);
             for (long r = 0; r < rows; r++)
-                rms_norm_row(xs + starts[r], step, w, wstep, width, eps, &normed[r * width]);
+                rms_norm_row(xs + starts[live[r]], step, w, wstep, width, eps, &normed[r * width]);
             product(f, normed.get(), rows, width, wq, nq, q.get());
             product(f, normed.get(), rows, width, wk, nk, k.get());
             product(f, normed.get(), rows, width, wv, nv, v.get());
             std::vector<float> cosines(half), sines(half);
-            for (int b = 0; b < batch; b++)
-                for (int t = 0; t < length; t++) {
-                    rope_angles(t, first[b * first_step], scale, inv, half, cosines.data(),
-                                sines.data());
-                    long r = static_cast<long>(b) * length + t;
-                    for (int h = 0; h < heads; h++)
-                        rope_row(&q[r * nq + h * qd], 1,
-                                 qs + ((static_cast<long>(b) * heads + h) * length + t) * qd, qd,
-                                 half, traditional, cosines.data(), sines.data());
-                    for (int h = 0; h < kv_heads; h++) {
-                        long at = (static_cast<long>(b) * kv_heads + h) * length + t;
-                        rope_row(&k[r * nk + h * kd], 1, ks + at * kd, kd, half, traditional,
-                                 cosines.data(), sines.data());
-                        std::memcpy(vs + at * vd, &v[r * nv + h * vd], sizeof(float) * vd);
-                    }
+            for (long r = 0; r < rows; r++) {
+                long b = live[r] / length, t = live[r] % length;
+                rope_angles(t, first[b * first_step], scale, inv, half, cosines.data(),
+                            sines.data());
+                for (int h = 0; h < heads; h++)
+                    rope_row(&q[r * nq + h * qd], 1, qs + ((b * heads + h) * length + t) * qd, qd,
+                             half, traditional, cosines.data(), sines.data());
+                for (int h = 0; h < kv_heads; h++) {
+                    long at = (b * kv_heads + h) * length + t;
+                    rope_row(&k[r * nk + h * kd], 1, ks + at * kd, kd, half, traditional,
+                             cosines.data(), sines.data());
+                    std::memcpy(vs + at * vd, &v[r * nv + h * vd], sizeof(float) * vd);
                 }
+            }
         });
     }
 
@@ -216,28 +237,41 @@ class BlockOutput : public mx::UnaryPrimitive {
         float* o = out.data<float>();
         float eps = eps_;
         sgemm_fn f = sgemm();
+        const int* counts = in.size() > 7 ? in[7].data<int>() : nullptr;
+        long counts_step = in.size() > 7 ? in[7].strides()[0] : 0;
         mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
-            long rows = static_cast<long>(batch) * length, nh = static_cast<long>(heads) * vd;
+            std::vector<long> live = live_rows(counts, counts_step, batch, length);
+            long all = static_cast<long>(batch) * length, rows = static_cast<long>(live.size());
+            long nh = static_cast<long>(heads) * vd;
+            bool every = rows == all;  // else compact rows, put in place at the end
             Scratch joined(rows * nh), h(rows * width), normed(rows * width);
-            for (int b = 0; b < batch; b++)
-                for (int t = 0; t < length; t++)
-                    for (int j = 0; j < heads; j++) {
-                        const float* from = attended + b * as[0] + j * as[1] + t * as[2];
-                        float* to = &joined[(static_cast<long>(b) * length + t) * nh + j * vd];
-                        for (int d = 0; d < vd; d++) to[d] = from[d * as[3]];
-                    }
+            for (long r = 0; r < rows; r++) {
+                long b = live[r] / length, t = live[r] % length;
+                for (int j = 0; j < heads; j++) {
+                    const float* from = attended + b * as[0] + j * as[1] + t * as[2];
+                    float* to = &joined[r * nh + j * vd];
+                    for (int d = 0; d < vd; d++) to[d] = from[d * as[3]];
+                }
+            }
             product(f, joined.get(), rows, nh, wo, width, h.get());
             for (long r = 0; r < rows; r++) {
                 float* hr = &h[r * width];
-                for (int i = 0; i < width; i++) hr[i] = xs[starts[r] + i * step] + hr[i];
+                const float* xr = xs + starts[live[r]];
+                for (int i = 0; i < width; i++) hr[i] = xr[i * step] + hr[i];
                 rms_norm_row(hr, 1, w, wstep, width, eps, &normed[r * width]);
             }
-            Scratch gate(rows * hidden), up(rows * hidden);
+            Scratch gate(rows * hidden), up(rows * hidden), down(every ? 0 : rows * width);
             product(f, normed.get(), rows, width, wg, hidden, gate.get());
             product(f, normed.get(), rows, width, wu, hidden, up.get());
             swiglu(gate.get(), up.get(), rows * hidden);
-            product(f, gate.get(), rows, hidden, wd, width, o);
-            for (long i = 0; i < rows * width; i++) o[i] = h[i] + o[i];
+            float* d = every ? o : down.get();
+            product(f, gate.get(), rows, hidden, wd, width, d);
+            for (long i = 0; i < rows * width; i++) d[i] = h[i] + d[i];
+            if (every) return;
+            for (long r = 0; r < all; r++)  // fillers: their input, finite
+                for (int i = 0; i < width; i++) o[r * width + i] = xs[starts[r] + i * step];
+            for (long r = 0; r < rows; r++)
+                std::memcpy(o + live[r] * width, d + r * width, sizeof(float) * width);
         });
     }
 
@@ -297,11 +331,17 @@ mx::array swiglu_node(const mx::array& gate, const mx::array& up) {
                      {gate, up});
 }
 
+/* lengths, where given: int32, one count a batch row (read on evaluation) */
+bool lengths_ok(const std::optional<mx::array>& lengths, const mx::array& x) {
+    return !lengths || (lengths->dtype() == mx::int32 && lengths->ndim() == 1 &&
+                        lengths->shape(0) == x.shape(0));
+}
+
 std::vector<mx::array> block_input(const mx::array& x, const mx::array& norm, const mx::array& wq,
                                    const mx::array& wk, const mx::array& wv,
                                    const mx::array& offset, const mx::array& inv_freq, float eps,
                                    int heads, int kv_heads, int dims, bool traditional,
-                                   float scale) {
+                                   float scale, const std::optional<mx::array>& lengths) {
     bool ok = x.dtype() == mx::float32 && x.ndim() == 3 && heads > 0 && kv_heads > 0 &&
               heads % kv_heads == 0 && wq.ndim() == 2 && wq.shape(0) % heads == 0 &&
               wk.ndim() == 2 && wk.shape(0) % kv_heads == 0 && wv.ndim() == 2 &&
@@ -314,22 +354,26 @@ std::vector<mx::array> block_input(const mx::array& x, const mx::array& norm, co
          (offset.size() == 1 || offset.size() == static_cast<size_t>(x.shape(0))) &&
          inv_freq.dtype() == mx::float32 && inv_freq.ndim() == 1 &&
          inv_freq.shape(0) == dims / 2;
-    if (!ok)
+    if (!ok || !lengths_ok(lengths, x))
         throw std::invalid_argument(
             "block_input takes float32 x (batch, positions, width), norm (width), evaluated "
             "row-contiguous q, k and v weights (heads * size, width), int32 offset (1 or "
-            "batch), float32 inv_freq (dims / 2), and cblas_sgemm in the process");
+            "batch), float32 inv_freq (dims / 2), int32 lengths (batch) or none, and "
+            "cblas_sgemm in the process");
     int b = x.shape(0), l = x.shape(1), vd = wv.shape(0) / kv_heads;
+    std::vector<mx::array> inputs = {x, norm, wq, wk, wv, offset, inv_freq};
+    if (lengths) inputs.push_back(*lengths);
     return mx::array::make_arrays(
         {{b, heads, l, size}, {b, kv_heads, l, size}, {b, kv_heads, l, vd}},
         {mx::float32, mx::float32, mx::float32},
         std::make_shared<BlockInput>(cpu_stream(), eps, heads, kv_heads, dims, traditional, scale),
-        {x, norm, wq, wk, wv, offset, inv_freq});
+        inputs);
 }
 
 mx::array block_output(const mx::array& x, const mx::array& attended, const mx::array& wo,
                        const mx::array& norm, const mx::array& gate, const mx::array& up,
-                       const mx::array& down, float eps) {
+                       const mx::array& down, float eps,
+                       const std::optional<mx::array>& lengths) {
     bool ok = x.dtype() == mx::float32 && x.ndim() == 3 && attended.dtype() == mx::float32 &&
               attended.ndim() == 4 && attended.shape(0) == x.shape(0) &&
               attended.shape(2) == x.shape(1) && norm.dtype() == mx::float32 &&
@@ -340,13 +384,16 @@ mx::array block_output(const mx::array& x, const mx::array& attended, const mx::
              weight_ok(gate, hidden, width) && weight_ok(up, hidden, width) &&
              weight_ok(down, width, hidden);
     }
-    if (!ok)
+    if (!ok || !lengths_ok(lengths, x))
         throw std::invalid_argument(
             "block_output takes float32 x (batch, positions, width), attention's output "
             "(batch, heads, positions, size), evaluated row-contiguous o, gate, up and down "
-            "weights, norm (width), and cblas_sgemm in the process");
+            "weights, norm (width), int32 lengths (batch) or none, and cblas_sgemm in the "
+            "process");
+    std::vector<mx::array> inputs = {x, attended, wo, norm, gate, up, down};
+    if (lengths) inputs.push_back(*lengths);
     return mx::array(x.shape(), mx::float32, std::make_shared<BlockOutput>(cpu_stream(), eps),
-                     {x, attended, wo, norm, gate, up, down});
+                     inputs);
 }
 
 }  // namespace
@@ -355,9 +402,10 @@ void define_block(nb::module_& m) {
     m.def("block_input", &block_input, nb::arg("x"), nb::arg("norm"), nb::arg("wq"),
           nb::arg("wk"), nb::arg("wv"), nb::arg("offset"), nb::arg("inv_freq"), nb::arg("eps"),
           nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
-          nb::arg("scale"));
+          nb::arg("scale"), nb::arg("lengths") = nb::none());
     m.def("block_output", &block_output, nb::arg("x"), nb::arg("attended"), nb::arg("wo"),
-          nb::arg("norm"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("eps"));
+          nb::arg("norm"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("eps"),
+          nb::arg("lengths") = nb::none());
     m.def("has_block", []() { return sgemm() != nullptr; });
     m.def("swiglu", &swiglu_node, nb::arg("gate"), nb::arg("up"));
 }

@@ -189,8 +189,8 @@ struct Operand {
    or none. The kernel's own bits, whichever way it is called. */
 class Attention : public mx::UnaryPrimitive {
   public:
-    Attention(mx::Stream stream, float scale, int mask_kind)
-        : mx::UnaryPrimitive(stream), scale_(scale), mask_kind_(mask_kind) {}
+    Attention(mx::Stream stream, float scale, int mask_kind, bool live)
+        : mx::UnaryPrimitive(stream), scale_(scale), mask_kind_(mask_kind), live_(live) {}
 
     void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
         Operand q(inputs[0]), k(inputs[1]), v(inputs[2]);
@@ -200,7 +200,7 @@ class Attention : public mx::UnaryPrimitive {
         c.queries = inputs[0].shape(2), c.dim = inputs[0].shape(3);
         c.kv_heads = inputs[1].shape(1), c.keys = inputs[1].shape(2);
         c.vdim = inputs[2].shape(3), c.mask_kind = mask_kind_, c.scale = scale_;
-        if (inputs.size() > 3) {
+        if (mask_kind_ == BOOL_MASK || mask_kind_ == ADDITIVE_MASK) {
             const mx::array& m = inputs[3];
             int pad = 4 - m.ndim();
             for (int d = 0; d < 4; d++)
@@ -209,8 +209,13 @@ class Attention : public mx::UnaryPrimitive {
         }
         c.out = out.data<float>();
         attention_fn fn = kernel_attention();
-        mx::cpu::get_command_encoder(stream()).dispatch([c, fn, q, k, v]() mutable {
+        const int* counts = live_ ? inputs.back().data<int>() : nullptr;
+        long step = live_ ? inputs.back().strides()[0] : 0;
+        mx::cpu::get_command_encoder(stream()).dispatch([c, fn, q, k, v, counts, step]() mutable {
             c.q = q.packed(c.q_stride), c.k = k.packed(c.k_stride), c.v = v.packed(c.v_stride);
+            std::vector<int> live(counts ? c.batch : 0);
+            for (size_t b = 0; b < live.size(); b++) live[b] = counts[b * step];
+            c.live = counts ? live.data() : nullptr;
             /* -1 only where it found no memory for the scores: what MLX's allocator does then */
             if (fn(&c) != 0) throw std::bad_alloc();
         });
@@ -224,12 +229,13 @@ class Attention : public mx::UnaryPrimitive {
 
     bool is_equivalent(const mx::Primitive& other) const override {
         const Attention& o = static_cast<const Attention&>(other);
-        return scale_ == o.scale_ && mask_kind_ == o.mask_kind_;
+        return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && live_ == o.live_;
     }
 
   private:
     float scale_;
     int mask_kind_;
+    bool live_;  // the last input: each batch row's queries computed (`attention.h`'s `live`)
 };
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
@@ -259,7 +265,8 @@ mx::array rope(const mx::array& x, const mx::array& offset, const mx::array& inv
 bool has_attention() { return kernel_attention() != nullptr; }
 
 mx::array attention_node(const mx::array& q, const mx::array& k, const mx::array& v,
-                         std::optional<mx::array> mask, float scale, int mask_kind) {
+                         std::optional<mx::array> mask, float scale, int mask_kind,
+                         std::optional<mx::array> live) {
     bool shapes = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape(1) > 0 &&
                   k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) &&
                   v.shape(1) == k.shape(1) && v.shape(2) == k.shape(2) &&
@@ -281,16 +288,20 @@ mx::array attention_node(const mx::array& q, const mx::array& k, const mx::array
             masked = size == 1 || size == want;
         }
     }
+    bool counts = !live || (live->dtype() == mx::int32 && live->ndim() == 1 &&
+                            shapes && live->shape(0) == q.shape(0));
     if (!shapes || !types || (mask_kind != NO_MASK && mask_kind != CAUSAL && !masked) ||
-        !kernel_attention())
+        !counts || !kernel_attention())
         throw std::invalid_argument(
             "attention takes float32 q (batch, heads, 1 to 16 queries, dim), k and v "
             "(batch, kv heads, keys, dim | vdim), a mask of kind 0 to 3 (an array for 2 and "
-            "3), and the kernels library preloaded");
+            "3), int32 live (batch) or none, and the kernels library preloaded");
     std::vector<mx::array> inputs = {q, k, v};
     if (masked) inputs.push_back(*mask);
-    return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
-                     std::make_shared<Attention>(cpu_stream(), scale, mask_kind), inputs);
+    if (live) inputs.push_back(*live);
+    return mx::array(
+        {q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
+        std::make_shared<Attention>(cpu_stream(), scale, mask_kind, live.has_value()), inputs);
 }
 
 /* The inverse frequencies `mx.fast.rope` computes for `base`, by the same ops. */
@@ -308,7 +319,8 @@ NB_MODULE(_mlxcs_layers, m) {
           nb::arg("dims"), nb::arg("traditional"), nb::arg("scale"));
     m.def("has_attention", &has_attention);
     m.def("attention", &attention_node, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-          nb::arg("mask").none(), nb::arg("scale"), nb::arg("mask_kind"));
+          nb::arg("mask").none(), nb::arg("scale"), nb::arg("mask_kind"),
+          nb::arg("live") = nb::none());
     m.def("inv_freq", &inv_freq, nb::arg("dims"), nb::arg("base"));
     mlxcs::define_block(m);
 }
