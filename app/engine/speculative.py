@@ -35,6 +35,7 @@ each drafted token before it is verified), and for at most `MAX_ROWS` rows.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -66,22 +67,26 @@ def longest_draft(rows: int) -> int:
 
 def draft_length(lengths: list[int], rates: list[float] | None = None) -> int:
     """How many drafted tokens a step of streams with drafts this long (0: none) verifies,
-    each stream's draft cut to it: the length whose expected tokens for what its pass costs
-    beat a plain step's most; 0 for a plain step. `rates`: the share of each stream's
-    drafted tokens it expects accepted (`drafting.Pace.rate`; `ACCEPTED` each if None). A
-    stream alone drafts what it has unless its drafts are nearly always wrong; beside
-    others, whose plain step shares the pass, a drafted position has to be accepted more
-    often to pay."""
+    each stream's draft cut to it; 0 for a plain step. `rates`: the share of each stream's
+    drafted tokens it expects accepted (`drafting.Pace.rate`; `ACCEPTED` each if None).
+
+    Every stream's speed counts, not the batch's total: a stream's expected speed-up is its
+    expected tokens over what the pass costs against a plain step (below 1 for a stream
+    without a draft, which waits for the others' positions), and the length chosen makes
+    the product of the streams' speed-ups largest (proportional fairness), so that a
+    drafting stream does not buy its speed with a larger loss of the others'. A stream
+    alone drafts what it has unless its drafts are nearly always wrong; beside three plain
+    ones, a few tokens; streams that all draft, as far as they all gain."""
     rows = len(lengths)
     rates = rates or [ACCEPTED] * rows
     plain = 1 + PER_ROW * (rows - 1)
-    best, best_rate = 0, rows / plain
+    best, best_gain = 0, 0.0
     for k in range(1, min(max(lengths, default=0), longest_draft(rows)) + 1):
         drafted = [min(n, k) for n in lengths]
-        tokens = rows + sum(r * d for d, r in zip(drafted, rates, strict=True))
-        rate = tokens / (plain + PER_DRAFTED * sum(drafted))
-        if rate > best_rate:
-            best, best_rate = k, rate
+        cost = (plain + PER_DRAFTED * sum(drafted)) / plain
+        gain = sum(math.log((1 + r * d) / cost) for d, r in zip(drafted, rates, strict=True))
+        if gain > best_gain:
+            best, best_gain = k, gain
     return best
 
 
