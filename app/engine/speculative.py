@@ -53,7 +53,7 @@ from .sampling import Categorical
 # A pass's rows and positions (rows times k+1) at most: as far as the pass-cost model
 # below was measured (`--pass-cost` in bench/speculation.py; bench/README.md, "Decode
 # kernels").
-MAX_ROWS, MAX_POSITIONS = 4, 64
+MAX_ROWS, MAX_POSITIONS = 8, 64
 # A pass over B rows costs about 1 + PER_ROW * (B-1) times a lone stream's step, and
 # PER_DRAFTED more for each drafted position of any row; the fillers that pad the shorter
 # rows cost next to nothing (`live_positions`), nor does the pass's width (`--pass-cost`).

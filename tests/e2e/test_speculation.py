@@ -226,6 +226,32 @@ def test_two_streams_verify_drafts_together_and_decode_as_without(engines, monke
     assert out[0] == out[1]
 
 
+def test_eight_streams_verify_their_drafts_in_one_pass_and_decode_as_without(engines, monkeypatch):
+    """As many streams as a pass verifies (`MAX_ROWS`), started together: their passes hold
+    every row, and each reply is as without speculation."""
+    import app.engine.generator as generator
+    from app.engine.speculative import MAX_ROWS
+
+    rows, verify = [], generator.verify
+
+    def seen(batch, drafts):
+        rows.append(len(drafts))
+        return verify(batch, drafts)
+
+    monkeypatch.setattr(generator, "verify", seen)
+    replies = []
+    for engine in engines[:2]:
+        tokens = prompt_of(engine)
+        runs = [Run() for _ in range(MAX_ROWS)]
+        for i, run in enumerate(runs):  # each its own prompt: the copy asked from another line
+            engine.submit(tokens[i:], SamplingParams(max_tokens=40, temperature=0.0), run)
+        assert all(run.done.wait(300) for run in runs)
+        replies.append([(run.text, run.finished.reason) for run in runs])
+    assert replies[0] == replies[1]
+    if engines[2] == "default":
+        assert MAX_ROWS in rows
+
+
 def test_a_request_cancelled_between_drafts_ends_and_the_engine_goes_on(engines):
     on, off, model = engines
     if model != "default":
