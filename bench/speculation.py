@@ -32,9 +32,9 @@ The plot (`--out` with .png: each workload's tokens/s by server) is drawn after 
 from a saved result with `--report`.
 
 `--pass-cost` measures instead what the batch rule in `app/engine/speculative.py` rests on:
-one forward pass of the default model over B rows, D of them P positions long and the
-others 1 (padded to P, as a verification pass runs them), at 1,500 tokens of context,
-in-process, against P=1 (median of 10 passes; printed, no result file).
+one forward pass of the default model over B rows (`--pass-rows`), D of them P positions long
+and the others 1 (padded to P, as a verification pass runs them; B x P at most 64), at 1,500
+tokens of context, in-process, against P=1 (median of 10 passes; printed, no result file).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def acceptance(grown: dict[str, float]) -> dict[str, float | None]:
             "mean_accepted": accepted / drafts_ if drafts_ else None}  # fmt: skip
 
 
-def pass_cost(context: int = 1500, rows=(1, 2, 4), positions=(1, 2, 4, 8, 16)) -> None:
+def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)) -> None:
     reexec_preloaded(sys.argv)  # the server's BLAS and kernels, before MLX is imported
     import mlx.core as mx
     from mlx_lm import load
@@ -191,7 +191,7 @@ def pass_cost(context: int = 1500, rows=(1, 2, 4), positions=(1, 2, 4, 8, 16)) -
             mx.eval([c.keys for c in cache])
         for drafting in sorted({1, b // 2, b} - {0}):
             base, cells = None, []
-            for p in positions:
+            for p in [p for p in positions if b * p <= 64]:  # `speculative.MAX_POSITIONS`
                 median = median_pass(cache, [p] * drafting + [1] * (b - drafting))
                 base = base or median
                 cells.append(f"P={p}: {median * 1000:.0f} ms ({median / base:.2f}x)")
@@ -234,6 +234,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "speculation.json")
     ap.add_argument("--pass-cost", action="store_true", help="measure a pass's cost by rows")
+    ap.add_argument("--pass-rows", default="1,2,4,8", help="--pass-cost's numbers of rows")
     ap.add_argument("--sharegpt", type=int, default=0, help="ShareGPT questions to add")
     ap.add_argument("--servers", help="a comma-separated subset of the servers to run")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary")
@@ -246,7 +247,7 @@ def main() -> None:
         plot(json.loads(args.out.read_text())["summary"], args.out.with_suffix(".png"))
         return
     if args.pass_cost:
-        pass_cost()
+        pass_cost(rows=tuple(int(n) for n in args.pass_rows.split(",")))
         return
     model = str(default_model_dir())
     edits = [edit_prompt(f) for f in FILES]

@@ -20,6 +20,10 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from .gapped_cache import GappedKVCache
 
 CHUNK = 512  # tokens the draft model takes in at once while catching a stream up
+# Tokens a row takes in at once after that: at most as many queries a sequence as our CPU
+# attention kernel takes (`kernel_attention.MAX_QUERIES`), and a bounded pass for a batch
+# whose rows fell far behind.
+FEED = 16
 # A row this many tokens behind its sequence (the streams drafted from prompt lookup for a
 # while) is fed, drafting or not: a later draft's pass covers every row's unseen tokens.
 BEHIND = 32
@@ -66,15 +70,19 @@ class DraftBatch:
         self._follow(uids, sequences)
         self._settle(sequences)
         # Feeding only, the last tokens are left for the next draft, for the logits after them.
-        new = [s[f : len(s) - (k == 0)] for s, f in zip(sequences, self.fed, strict=True)]
-        width = max(len(n) for n in new)
-        inputs = mx.array([n + [0] * (width - len(n)) for n in new])
-        logits = self.model(inputs, cache=self.cache)
-        self._drop([width - len(n) for n in new])  # the fillers' KV: gaps
-        self.fed = [f + len(n) for f, n in zip(self.fed, new, strict=True)]
-        if k == 0:
+        ends = [len(s) - (k == 0) for s in sequences]
+        while True:
+            new = [s[f:e] for s, f, e in zip(sequences, self.fed, ends, strict=True)]
+            if max(len(n) for n in new) <= FEED:
+                break
+            self._feed([n[: max(0, min(len(n) - 1, FEED))] for n in new])  # a row far behind
             mx.eval([c.state for c in self.cache])
+        if k == 0:
+            if max(len(n) for n in new):
+                self._feed(new)
+                mx.eval([c.state for c in self.cache])
             return [[] for _ in uids]
+        logits = self._feed(new)
         last = mx.array([len(n) - 1 for n in new])
         y = mx.argmax(logits[mx.arange(len(new)), last], axis=-1)
         out = [y]
@@ -85,6 +93,16 @@ class DraftBatch:
         drafts = mx.stack(out, axis=1).tolist()
         self.proposed = [d[:-1] for d in drafts]
         return drafts
+
+    def _feed(self, pieces: list[list[int]]) -> mx.array:
+        """One pass over each row's next `pieces[i]` (right-filled to the longest, the
+        fillers' KV made gaps); its logits."""
+        width = max(len(p) for p in pieces)
+        inputs = mx.array([p + [0] * (width - len(p)) for p in pieces])
+        logits = self.model(inputs, cache=self.cache)
+        self._drop([width - len(p) for p in pieces])
+        self.fed = [f + len(p) for f, p in zip(self.fed, pieces, strict=True)]
+        return logits
 
     def _behind(self, uids: list[int], sequences: list[list[int]]) -> bool:
         rows = dict(zip(self.uids, self.fed, strict=True))

@@ -30,10 +30,18 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchRotatingKVCache
 
+from ..runtime import kernel_block
 from ..runtime.forward_together import forward_together, logits, supports
 from .draft_model import DraftBatch, DraftModel
 from .drafting import MAX_DRAFT, Pace, PromptLookup
-from .speculative import can_verify, draft_length, longest_draft, verify
+from .speculative import (
+    MAX_ROWS,
+    PADDED_ROWS,
+    can_verify,
+    draft_length,
+    longest_draft,
+    verify,
+)
 
 
 def _mask_in_order(make_mask: Any) -> Any:
@@ -71,9 +79,11 @@ class MixedGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self.together = supports(model)  # off: every step is mlx-lm's own
         self.speculation, self.draft_model = speculation, draft
+        self._skips = kernel_block.skips_fillers(model)  # a pass's fillers cost nothing
         # Each stream's lookup index, its pace, and its pace for the draft model's drafts.
         self._drafting: dict[int, tuple[PromptLookup, Pace, Pace]] = {}
         self._model_batch: DraftBatch | None = None  # the draft model's KV, once it drafted
+        self._model_uids: set[int] = set()  # the streams it keeps rows for
         self._modelled: list[bool] = []  # the step's streams whose draft is the model's
         self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
         # A new stream's other texts to draft from: its tenant's recent replies (`replies`).
@@ -109,7 +119,7 @@ class MixedGenerator(BatchGenerator):
         for a plain step, when no stream has one or too few do (a stream without one rides
         along: `speculative`)."""
         streams = self._generation_batch
-        if not can_verify(streams):
+        if not can_verify(streams, MAX_ROWS if self._skips else PADDED_ROWS):
             return []
         uids = streams.uids
         self._drafting = {u: d for u, d in self._drafting.items() if u in uids}
@@ -144,24 +154,29 @@ class MixedGenerator(BatchGenerator):
             self._drafting[u][2 if m else 1] for u, m in zip(uids, self._modelled, strict=True)
         ]
         rates = [pace.rate for pace in paces]
-        k = draft_length([len(d) for d in drafts], rates)
+        k = draft_length([len(d) for d in drafts], rates, padded=not self._skips)
         return [d[:k] for d in drafts] if k else []
 
     def _model_drafts(
         self, uids: list[int], drafts: list[list[int]], lengths: list[int]
     ) -> list[list[int]]:
         """`drafts`, the draft model's drafts (as long as `lengths`) in place of the
-        streams' that lookup left empty; the draft model's batch kept up with the streams
-        (`DraftBatch`) whether it drafts this step or not."""
+        streams' that lookup left empty. The draft model keeps rows for the streams that
+        have asked it for a draft (one that lookup always drafts for never costs it a
+        prefill), fed whether it drafts this step or not (`DraftBatch`)."""
+        asked = {u for u, m in zip(uids, self._modelled, strict=True) if m}
+        self._model_uids = {u for u in self._model_uids if u in uids} | asked
+        if not self._model_uids:
+            self._model_batch = None  # its streams are gone, and their KV with them
+            return drafts
         if self._model_batch is None:
-            if not any(self._modelled):
-                return drafts
             self._model_batch = self.draft_model.start()
+        members = [u for u in uids if u in self._model_uids]
         k = max((n for n, m in zip(lengths, self._modelled, strict=True) if m), default=0)
-        sequences = [self._drafting[u][0].tokens for u in uids]
-        made = self._model_batch.draft(uids, sequences, k)
-        rows = zip(drafts, made, lengths, self._modelled, strict=True)
-        return [m[:n] if own else d for d, m, n, own in rows]
+        sequences = [self._drafting[u][0].tokens for u in members]
+        made = dict(zip(members, self._model_batch.draft(members, sequences, k), strict=True))
+        rows = zip(uids, drafts, lengths, self._modelled, strict=True)
+        return [made[u][:n] if own else d for u, d, n, own in rows]
 
     def _verified(self, streams: Any, drafts: list[list[int]]) -> list[Any]:
         uids = list(streams.uids)  # before the step: it drops the streams that end

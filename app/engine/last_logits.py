@@ -62,4 +62,6 @@ def positions_logits(model: Any, inputs: mx.array, cache: list[Any], at: mx.arra
     def select(x: mx.array) -> mx.array:
         return x.reshape(-1, x.shape[-1])[at][None]
 
-    return _projecting(model, inputs, cache, select)[0]
+    out = _projecting(model, inputs, cache, select)
+    # A model that has the head but makes its logits another way gives every position's.
+    return (out if out.shape[:2] == (1, at.shape[0]) else select(out))[0]

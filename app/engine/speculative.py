@@ -52,11 +52,11 @@ from .sampling import Categorical
 
 # A pass's rows and positions (rows times k+1) at most: as far as the pass-cost model
 # below was measured (`--pass-cost` in bench/speculation.py; bench/README.md, "Decode
-# kernels").
-MAX_ROWS, MAX_POSITIONS = 8, 64
+# kernels"); PADDED_ROWS where a pass computes its fillers (`kernel_block.skips_fillers`).
+MAX_ROWS, PADDED_ROWS, MAX_POSITIONS = 8, 4, 64
 # A pass over B rows costs about 1 + PER_ROW * (B-1) times a lone stream's step, and
-# PER_DRAFTED more for each drafted position of any row; the fillers that pad the shorter
-# rows cost next to nothing (`live_positions`), nor does the pass's width (`--pass-cost`).
+# PER_DRAFTED more for each drafted position of any row, or for each of its B x k
+# positions past the first where it computes its fillers; nothing for the pass's width.
 PER_DRAFTED, PER_ROW = 0.116, 0.22
 
 
@@ -65,10 +65,11 @@ def longest_draft(rows: int) -> int:
     return MAX_POSITIONS // rows - 1
 
 
-def draft_length(lengths: list[int], rates: list[float] | None = None) -> int:
+def draft_length(lengths: list[int], rates: list[float] | None = None, padded: bool = False) -> int:
     """How many drafted tokens a step of streams with drafts this long (0: none) verifies,
     each stream's draft cut to it; 0 for a plain step. `rates`: the share of each stream's
-    drafted tokens it expects accepted (`drafting.Pace.rate`; `ACCEPTED` each if None).
+    drafted tokens it expects accepted (`drafting.Pace.rate`; `ACCEPTED` each if None);
+    `padded`: the pass computes its fillers, every row as long as the longest draft.
 
     Every stream's speed counts, not the batch's total: a stream's expected speed-up is its
     expected tokens over what the pass costs against a plain step (below 1 for a stream
@@ -76,26 +77,26 @@ def draft_length(lengths: list[int], rates: list[float] | None = None) -> int:
     the product of the streams' speed-ups largest (proportional fairness), so that a
     drafting stream does not buy its speed with a larger loss of the others'. A stream
     alone drafts what it has unless its drafts are nearly always wrong; beside three plain
-    ones, a few tokens; streams that all draft, as far as they all gain."""
+    ones, a few tokens; streams that all draft, as far as the product gains."""
     rows = len(lengths)
     rates = rates or [ACCEPTED] * rows
     plain = 1 + PER_ROW * (rows - 1)
     best, best_gain = 0, 0.0
     for k in range(1, min(max(lengths, default=0), longest_draft(rows)) + 1):
         drafted = [min(n, k) for n in lengths]
-        cost = (plain + PER_DRAFTED * sum(drafted)) / plain
+        cost = (plain + PER_DRAFTED * (rows * k if padded else sum(drafted))) / plain
         gain = sum(math.log((1 + r * d) / cost) for d, r in zip(drafted, rates, strict=True))
         if gain > best_gain:
             best, best_gain = k, gain
     return best
 
 
-def can_verify(batch: GenerationBatch) -> bool:
-    """Whether no sequence of `batch` has logits processors, its samplers' draws can be
-    undone, and its caches a trim rolls back."""
+def can_verify(batch: GenerationBatch, most: int = MAX_ROWS) -> bool:
+    """Whether `batch` has at most `most` sequences, none of them with logits processors,
+    its samplers' draws can be undone, and its caches a trim rolls back."""
     n = len(batch.uids)
     return (
-        0 < n <= MAX_ROWS
+        0 < n <= most
         and batch._next_tokens is not None
         and not any(batch.logits_processors or [])
         and all(_rewindable(s) for s in batch.samplers or [])

@@ -72,6 +72,13 @@ def available() -> bool:
     return enabled and _kernel() is not None
 
 
+def takes_live() -> bool:
+    """Whether attention computes only a pass's live queries (`live_positions`): the
+    kernel's node, not its call from here."""
+    ops = native.layers() if primitive else None
+    return available() and ops is not None and ops.has_attention()
+
+
 def _view(a: mx.array) -> np.ndarray:
     """`a`'s buffer as numpy sees it, the last axis contiguous."""
     view = np.asarray(a)

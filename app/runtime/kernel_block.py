@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-from . import kernel_layers, native
+from . import kernel_attention, kernel_layers, native
 from .live_positions import lengths_for
 
 enabled = True  # off: swapped blocks run mlx-lm's call, as before
@@ -105,6 +105,17 @@ def runs(layer: Any) -> bool:
     linears = _linears(layer)
     return all(
         type(p) is nn.Linear and "bias" not in p and p.weight.dtype == mx.float32 for p in linears
+    )
+
+
+def skips_fillers(model: Any) -> bool:
+    """Whether a pass of `model` within `live_positions` computes no filler: every block of
+    it swapped, and attention our kernel's node."""
+    layers = getattr(model, "layers", None)
+    return (
+        bool(layers)
+        and all(type(layer) is Block for layer in layers)
+        and (kernel_attention.takes_live())
     )
 
 

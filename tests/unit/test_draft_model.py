@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from app.engine.draft_model import BEHIND, DraftBatch, DraftModel
+from app.engine.draft_model import BEHIND, FEED, DraftBatch, DraftModel
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,10 @@ def test_a_row_far_behind_is_fed_without_a_draft(model):
     assert batch.draft([1, 2], seqs, 0) == [[], []]
     assert batch.fed == [len(s) - 1 for s in seqs]  # all but the last, fed
     assert batch.draft([1, 2], seqs, 3) == [greedy(model, s, 3) for s in seqs]
+    seqs[0] = seqs[0] + [7]  # a step's token, and steps lookup drafted for row 1 alone
+    seqs[1] = seqs[1] + list(range(30, 30 + 3 * FEED))
+    assert batch.draft([1, 2], seqs, 2) == [greedy(model, s, 2) for s in seqs]
+    assert batch.fed == [len(s) for s in seqs]
 
 
 def test_a_plain_step_that_took_a_drafted_token_leaves_the_next_one_to_draft_from(model):

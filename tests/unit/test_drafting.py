@@ -119,6 +119,9 @@ def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
     # positions, so one drafting stream beside three plain ones drafts a few tokens only
     # (which a pass over fillers would not pay for at all), and two a few more.
     assert draft_length([3, 0, 0, 0]) == draft_length([8, 0, 0, 0]) == 3
+    # Where a pass computes its fillers, the plain rows' positions cost as much as drafted.
+    assert draft_length([8, 0, 0, 0], padded=True) == 0
+    assert draft_length([15] * 4, [0.98] * 4, padded=True) == 15
     assert draft_length([15, 15, 0, 0], [0.98, 0.98, 0.75, 0.75]) == 5
     assert draft_length([15, 15, 15, 15], [0.98] * 4) == 15
     assert draft_length([1, 40]) < longest_draft(2)
