@@ -74,3 +74,39 @@ def test_a_plain_step_that_took_a_drafted_token_leaves_the_next_one_to_draft_fro
     first = batch.draft([1], [seq], 3)[0]
     seq = seq + first[:1]  # no verification: a plain step drew the draft's first token
     assert batch.draft([1], [seq], 2) == [greedy(model, seq, 2)]
+
+
+def test_the_draft_model_keeps_rows_only_for_streams_that_asked_it():
+    """A stream that lookup drafts for costs the draft model no row (no prefill of its
+    prompt); one that asked keeps its row while it runs; the rows go with their streams."""
+    from types import SimpleNamespace
+
+    from app.engine.drafting import PromptLookup
+    from app.engine.generator import MixedGenerator
+
+    calls = []
+
+    class Rows:  # stands in for `DraftBatch`: what the generator asks of it
+        def draft(self, uids, sequences, k):
+            calls.append((list(uids), k))
+            return [[9] * k for _ in uids]
+
+    def lookup(tokens):
+        text = PromptLookup()
+        text.extend(tokens)
+        return (text, None, None)
+
+    gen = SimpleNamespace(_model_uids=set(), _model_batch=None, _modelled=[],
+                          draft_model=SimpleNamespace(start=Rows),
+                          _drafting={u: lookup([u, u + 1]) for u in (1, 2, 3)})  # fmt: skip
+    step = MixedGenerator._model_drafts
+
+    gen._modelled = [False, True, False]  # lookup drafted for 1 and 3
+    assert step(gen, [1, 2, 3], [[5], [], [6, 6]], [0, 2, 0]) == [[5], [9, 9], [6, 6]]
+    assert calls[-1] == ([2], 2)
+    gen._modelled = [False, False, True]  # 2 keeps its row; 3 asks now
+    step(gen, [1, 2, 3], [[5], [7], []], [0, 0, 3])
+    assert calls[-1] == ([2, 3], 3)
+    gen._modelled = [False]
+    step(gen, [1], [[5]], [0])  # 2 and 3 ended: their rows go, and the batch with them
+    assert gen._model_batch is None and len(calls) == 2
