@@ -30,7 +30,8 @@ token they would have, and nothing past it is emitted.
 
 Only where trimming the caches undoes the rejected tokens (`BatchKVCache` layers), for
 sequences without logits processors (a grammar, biases, penalties: they would have to see
-each drafted token before it is verified), and for at most `MAX_ROWS` rows.
+each drafted token before it is verified), and for at most `MAX_ROWS` rows (`PADDED_ROWS`
+where a pass computes its fillers).
 """
 
 from __future__ import annotations
