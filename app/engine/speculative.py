@@ -136,7 +136,8 @@ def verify(
     rows = mx.array([d + [0] * (k - len(d)) for d in drafts], dtype=first.dtype)
     inputs = mx.concatenate([first[:, None], rows], axis=1)
     lengths = [1 + len(d) for d in drafts]
-    if min(lengths) == k + 1:
+    ragged = min(lengths) < k + 1
+    if not ragged:
         logits = batch.model(inputs, cache=batch.prompt_cache)
     else:  # the fillers computed by no block that can skip them, projected by no head
         live, spread = _live(lengths, k + 1)
@@ -144,7 +145,7 @@ def verify(
             logits = positions_logits(batch.model, inputs, batch.prompt_cache, live)
     # B*(k+1) rows: numpy's vectorized exp where the CPU fast path is on (`cpu_logprobs`).
     logprobs = logits - cpu_logprobs.logsumexp(logits, axis=-1, keepdims=True)
-    if min(lengths) < k + 1:  # a filler's, its row's last live position's: never read
+    if ragged:  # a filler's, its row's last live position's: never read
         logprobs = logprobs[spread].reshape(len(drafts), k + 1, -1)
     chosen, keys = _drawn(batch, logprobs)
     mx.eval(chosen, logprobs, batch._next_logprobs)

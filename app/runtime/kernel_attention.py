@@ -72,11 +72,17 @@ def available() -> bool:
     return enabled and _kernel() is not None
 
 
+def _node_ops() -> Any:
+    """The extension that makes the kernel a node of the graph; None where it is not built,
+    has no kernel to call, or `primitive` is off."""
+    ops = native.layers() if primitive else None
+    return ops if ops is not None and ops.has_attention() else None
+
+
 def takes_live() -> bool:
     """Whether attention computes only a pass's live queries (`live_positions`): the
     kernel's node, not its call from here."""
-    ops = native.layers() if primitive else None
-    return available() and ops is not None and ops.has_attention()
+    return available() and _node_ops() is not None
 
 
 def _view(a: mx.array) -> np.ndarray:
@@ -105,8 +111,8 @@ def attention(
     kind = _mask_kind(mask, (b, heads, n_q, n_k))
     if kind is None:
         return None
-    ops = native.layers() if primitive else None
-    if ops is not None and ops.has_attention():
+    ops = _node_ops()
+    if ops is not None:
         held = mask if kind in (BOOL_MASK, ADDITIVE_MASK) else None
         live = lengths_for(b, n_q)  # a verification pass's live queries (`live_positions`)
         return ops.attention(queries, keys, values, held, scale, kind, live)

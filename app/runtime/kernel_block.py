@@ -115,7 +115,7 @@ def skips_fillers(model: Any) -> bool:
     return (
         bool(layers)
         and all(type(layer) is Block for layer in layers)
-        and (kernel_attention.takes_live())
+        and kernel_attention.takes_live()
     )
 
 
