@@ -25,6 +25,8 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from .events import GrammarFailed
+
 T = TypeVar("T")
 # A thread's stack is reserved address space, committed only as it is used, so a large
 # one costs nothing until a deep grammar needs it. bench/schema_bounds.py measures what
@@ -116,12 +118,12 @@ class GrammarProcessor:
         if self.seen is not None:  # the first step's mask was filled when it was built
             for token in tokens[self.seen : n].tolist():
                 if not self.matcher.consume_token(token):
-                    raise ValueError(
+                    raise GrammarFailed(
                         f"the grammar refused token {token}: {_said(self.matcher.get_error())}"
                     )
             fill_next_token_bitmask(self.matcher, self.bitmask, 0)
             if self.matcher.is_error():  # a limit hit, say: fail the request, no silent EOS
-                raise ValueError(f"the grammar failed: {_said(self.matcher.get_error())}")
+                raise GrammarFailed(_said(self.matcher.get_error()))
         self.seen = n
         bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little").astype(np.bool_)
         width = logits.shape[-1]

@@ -74,10 +74,23 @@ class Finished:
 @dataclass
 class Failed:
     message: str  # for the client: says what it can act on, never internal detail
-    reason: str = "error"  # "error", "shutdown" or "timeout"; each surface maps it to its status
+    # "error", "shutdown", "timeout" or "grammar"; each surface maps it to its status
+    reason: str = "error"
 
 
 Event = Started | Delta | Finished | Failed
+
+
+class GrammarFailed(ValueError):
+    """A request's grammar could not go on: a limit of the grammar engine met mid-reply, or
+    a token it refused. The request's own fault: it ends with that said, the batch goes on."""
+
+
+def sampling_failed(fault: BaseException) -> Failed:
+    """The event that ends a request whose sampler or logits processors raised `fault`."""
+    if isinstance(fault, GrammarFailed):
+        return Failed(f"The request's grammar failed while generating: {fault}", "grammar")
+    return Failed("Sampling failed for this request's parameters.")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .events import Failed, Finished
+from .events import Finished, sampling_failed
 from .output import next_output
 from .request import Request
 
@@ -68,7 +68,7 @@ class Exits:
     def _fail_faulted(self, request: Request) -> None:
         log.error("a request's sampling failed: %r", request.fault)
         followers, request.followers = request.followers, []
-        request.end(Failed("Sampling failed for this request's parameters."))
+        request.end(sampling_failed(request.fault))
         self.engine.stats.failed += 1
         for follower in followers:  # they wait for a prefix, not for this request's output
             self.engine.requeue(follower)

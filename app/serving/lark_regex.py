@@ -20,6 +20,12 @@ import re
 from typing import Any
 
 MAX_CHARS = 50_000  # inlining repeats a rule at each use: a bound on the expression
+# Bounds on what is read at all, checked as it is read: the work of every step below is
+# linear in the grammar's size, and these keep that size, and the recursion of the rule
+# parser and the inliner, well inside what a request may cost.
+MAX_DEFINITION = 100_000  # characters of a grammar
+MAX_RULES = 1_000
+MAX_NESTING = 50  # brackets inside brackets in one rule, and rules inside rules when inlined
 
 # Lark's `common` terminals, as llguidance defines them.
 COMMON = {
@@ -56,11 +62,21 @@ class NotRegular(ValueError):
 
 
 def lark_to_regex(definition: str) -> str:
-    """The language of the Lark grammar `definition` (from its `start` rule) as a regex."""
-    rules = _rules(_statements(_tokens(definition)))
-    if "start" not in rules:
-        raise NotRegular("the grammar has no 'start' rule")
-    return _Inliner(rules).regex("start")
+    """The language of the Lark grammar `definition` (from its `start` rule) as a regex;
+    NotRegular, and nothing else, for any grammar that cannot be (malformed ones too)."""
+    if len(definition) > MAX_DEFINITION:
+        raise NotRegular(f"the grammar is over {MAX_DEFINITION} characters")
+    try:
+        rules = _rules(_statements(_tokens(definition)))
+        if "start" not in rules:
+            raise NotRegular("the grammar has no 'start' rule")
+        return _Inliner(rules).regex("start")
+    except NotRegular:
+        raise
+    except (ValueError, SyntaxError, IndexError, KeyError, TypeError, RecursionError) as e:
+        # What the bounds and checks above missed is still a grammar read wrong, not a
+        # fault of the server's.
+        raise NotRegular(f"cannot read the grammar: {type(e).__name__}") from e
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:
@@ -79,16 +95,22 @@ def _tokens(text: str) -> list[tuple[str, str]]:
 
 
 def _statements(tokens: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
-    """Tokens by statement: a new line ends one unless the next line goes on with `|`."""
+    """Tokens by statement: a new line ends one unless the next line goes on with `|`.
+    One pass: whether a line break ends a statement is decided by the token after it."""
     out: list[list[tuple[str, str]]] = [[]]
-    for i, token in enumerate(tokens):
-        if token[0] != "nl":
-            out[-1].append(token)
+    broken = False
+    for token in tokens:
+        if token[0] == "nl":
+            broken = True
             continue
-        following = next((t for t in tokens[i + 1 :] if t[0] != "nl"), None)
-        if following != ("op", "|"):
+        if broken and token != ("op", "|"):
             out.append([])
-    return [s for s in out if s]
+        broken = False
+        out[-1].append(token)
+    statements = [s for s in out if s]
+    if len(statements) > MAX_RULES:
+        raise NotRegular(f"the grammar has over {MAX_RULES} statements")
+    return statements
 
 
 def _rules(statements: list[list[tuple[str, str]]]) -> dict[str, Any]:
@@ -130,20 +152,32 @@ class _Parser:
     """Recursive descent over one rule's tokens: alternatives of sequences of atoms."""
 
     def __init__(self, tokens: list[tuple[str, str]]) -> None:
-        self.tokens, self.at = tokens, 0
+        self.tokens, self.at, self.depth = tokens, 0, 0
 
     def peek(self) -> tuple[str, str] | None:
         return self.tokens[self.at] if self.at < len(self.tokens) else None
 
     def take(self) -> tuple[str, str]:
+        if self.at >= len(self.tokens):
+            raise NotRegular("a rule ends where it needs more")
         self.at += 1
         return self.tokens[self.at - 1]
 
+    def count(self) -> int:
+        kind, text = self.take()
+        if kind != "number":
+            raise NotRegular(f"expected a count after '~', got {text!r}")
+        return int(text)
+
     def expansions(self) -> Any:
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise NotRegular(f"a rule nests brackets over {MAX_NESTING} deep")
         options = [self.sequence()]
         while self.peek() == ("op", "|"):
             self.take()
             options.append(self.sequence())
+        self.depth -= 1
         return ("alt", options)
 
     def sequence(self) -> Any:
@@ -163,11 +197,12 @@ class _Parser:
             return ("rep", item, *{"?": (0, 1), "*": (0, None), "+": (1, None)}[token[1]])
         if token == ("op", "~"):
             self.take()
-            low = int(self.take()[1])
-            high = low
+            low = high = self.count()
             if self.peek() == ("op", ".."):
                 self.take()
-                high = int(self.take()[1])
+                high = self.count()
+            if high < low:
+                raise NotRegular(f"a repetition ~{low}..{high} admits nothing")
             return ("rep", item, low, high)
         return item
 
@@ -177,7 +212,10 @@ class _Parser:
             value, fold = _string(text)
             if self.peek() == ("op", ".."):
                 self.take()
-                end, _ = _string(self.take()[1])
+                kind, text = self.take()
+                if kind != "string":
+                    raise NotRegular(f"a range ends with a string, not {text!r}")
+                end, _ = _string(text)
                 return ("re", f"[{_char(value)}-{_char(end)}]")
             return ("re", f"(?i:{_escape(value)})" if fold else _escape(value))
         if kind == "regex":
@@ -198,7 +236,13 @@ class _Parser:
 
 def _string(token: str) -> tuple[str, bool]:
     fold = token.endswith("i")
-    return ast.literal_eval(token[:-1] if fold else token), fold
+    try:
+        value = ast.literal_eval(token[:-1] if fold else token)
+    except (ValueError, SyntaxError) as e:
+        raise NotRegular(f"cannot read the string {token[:40]!r}") from e
+    if not isinstance(value, str):
+        raise NotRegular(f"{token[:40]!r} is not a string")
+    return value, fold
 
 
 def _char(value: str) -> str:
@@ -232,6 +276,8 @@ class _Inliner:
             raise NotRegular(f"{name!r} is used but not defined")
         if name in self.open:
             raise NotRegular(f"rule {name!r} refers to itself")
+        if len(self.open) >= MAX_NESTING:
+            raise NotRegular(f"rules refer to rules over {MAX_NESTING} deep")
         self.open.add(name)
         self.done[name] = f"(?:{self.node(self.rules[name])})"
         self.open.discard(name)
@@ -242,10 +288,10 @@ class _Inliner:
     def node(self, node: Any) -> str:
         kind = node[0]
         if kind == "alt":
-            return "|".join(self.node(option) for option in node[1])
+            return _joined("|", (self.node(option) for option in node[1]))
         if kind == "seq":
-            return "".join(f"(?:{self.node(item)})" if item[0] == "alt" else self.node(item)
-                           for item in node[1])  # fmt: skip
+            return _joined("", (f"(?:{self.node(item)})" if item[0] == "alt" else self.node(item)
+                                for item in node[1]))  # fmt: skip
         if kind == "re":
             return node[1]
         if kind == "ref":
@@ -255,3 +301,15 @@ class _Inliner:
         if count is None:
             count = f"{{{low},{'' if high is None else high}}}"
         return f"(?:{self.node(node[1])}){count}"
+
+
+def _joined(separator: str, parts: Any) -> str:
+    """`separator.join(parts)`, stopped as soon as it is over `MAX_CHARS`: a rule used many
+    times in one rule would otherwise be written out in full before its size is checked."""
+    out, size = [], 0
+    for part in parts:
+        size += len(part) + len(separator)
+        if size > MAX_CHARS:
+            raise NotRegular(f"inlined, the grammar is over {MAX_CHARS} characters")
+        out.append(part)
+    return separator.join(out)

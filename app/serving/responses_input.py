@@ -25,6 +25,7 @@ from ..engine.constraint import on_deep_stack
 from .chat import chat_request
 from .errors import APIError
 from .lark_regex import NotRegular, lark_to_regex
+from .schema_checks import pattern_problem
 from .schemas import ChatCompletionRequest, TextRequest
 
 # A custom (free-form) tool is offered to the model as a function of one string, since
@@ -254,7 +255,7 @@ def _custom_parameters(tool: dict[str, Any], name: str, where: str) -> dict[str,
         log.warning("custom tool %r: its grammar is not enforced: %s", name, e)
         return CUSTOM_PARAMETERS
     schema = {"type": "string", "pattern": f"^(?:{pattern})$"}
-    error = _pattern_error(schema)
+    error = pattern_problem(schema["pattern"]) or _pattern_error(schema)
     if error:
         log.warning("custom tool %r: its grammar is not enforced: %s", name, error)
         return CUSTOM_PARAMETERS

@@ -81,7 +81,16 @@ REFUSED = {
         {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
         "schema_unsatisfiable"),
     "100,000 enum values": ({"enum": [f"value-{i}" for i in range(100_000)]},
-                            "unsupported_schema"),  # fmt: skip
+                            "schema_too_large"),  # fmt: skip
+    # Issue 55: each compiled, then failed at the reply's second token or made every
+    # token's mask cost a batch step's time.
+    "a const of 500,000 characters": ({"const": "x" * 500_000}, "schema_too_large"),
+    "9,000 optional properties": (
+        {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(9_000)}},
+        "schema_too_large"),
+    "a pattern a{1000000}": ({"type": "string", "pattern": "^a{1000000}$"}, "schema_too_large"),
+    "a pattern (a{1000}){1000}": ({"type": "string", "pattern": "^(a{1000}){1000}$"},
+                                  "schema_too_large"),
     "a pattern nested 300 deep": ({"type": "string", "pattern": "(" * 300 + "a" + ")" * 300},
                                   "unsupported_schema"),  # fmt: skip
 }  # fmt: skip
@@ -189,8 +198,11 @@ def test_hostile_schemas_are_refused_and_hurt_nobody(own_server):
                 error = r.json()["error"]
                 text = error["message"] if isinstance(error, dict) else str(error)
                 assert text, (name, surface.__name__)
+                # A tool's schema is rendered into the prompt too: one longer than the tiny
+                # model's prompt can hold is refused for that first, before it is compiled.
+                codes = {code, "context_length_exceeded"} if wrapped else {code}
                 if surface is not messages_tool and surface is not responses_format:
-                    assert error.get("code") == code, (name, surface.__name__, error)
+                    assert error.get("code") in codes, (name, surface.__name__, error)
                 assert proc.poll() is None, f"the server died on {name} via {surface.__name__}"
     finally:
         side.stop.set()

@@ -161,3 +161,85 @@ def test_a_regex_format_is_held_as_it_is():
             "format": {"type": "grammar", "syntax": "regex", "definition": "[a-z]+"}}  # fmt: skip
     schema = _custom_parameters(tool, "t", "tools[0]")
     assert schema["properties"]["input"]["pattern"] == "^(?:[a-z]+)$"
+
+
+# Grammars a hostile client sent (issue 55): each escaped `except NotRegular` as a 500.
+MALFORMED = [
+    'start: "a"~',  # a count that never comes
+    'start: "a"~x',
+    'start: "a"~3..',
+    'start: "a"~5..2',
+    'start: "\\x"',  # a string Python cannot read
+    'start: "a"..',  # a range with no end
+    'start: "a".."bc"',
+    "start: " + "(" * 5_000 + '"a"' + ")" * 5_000,  # past Python's recursion limit
+    "start: r0\n" + "".join(f'r{i}: "x" r{i + 1}\n' for i in range(2_000)) + 'r2000: "e"\n',
+    "start: (",
+    "start: [",
+    "start: ->",
+]
+
+
+@pytest.mark.parametrize("grammar", MALFORMED, ids=range(len(MALFORMED)))
+def test_a_malformed_grammar_is_not_regular_never_another_error(grammar):
+    with pytest.raises(NotRegular):
+        lark_to_regex(grammar)
+
+
+@pytest.mark.parametrize("grammar", MALFORMED[:3], ids=range(3))
+def test_a_malformed_grammar_leaves_the_string_free(grammar):
+    tool = {"type": "custom", "name": "t",
+            "format": {"type": "grammar", "syntax": "lark", "definition": grammar}}  # fmt: skip
+    schema = _custom_parameters(tool, "t", "tools[0]")
+    assert schema["properties"]["input"] == {"type": "string"}
+
+
+class _CountingList(list):
+    """A token list that counts the elements its slices copy: the old statement split
+    copied the rest of the grammar at every line break."""
+
+    copied = 0
+
+    def __getitem__(self, index):
+        out = super().__getitem__(index)
+        if isinstance(index, slice):
+            _CountingList.copied += len(out)
+        return out
+
+
+def test_statements_are_split_in_one_pass():
+    from app.serving.lark_regex import _statements, _tokens
+
+    text = "".join(f'r{i}: "x"\n\n\n' for i in range(900))
+    tokens = _CountingList(_tokens(text))
+    _CountingList.copied = 0
+    assert len(_statements(tokens)) == 900
+    assert _CountingList.copied <= len(tokens)
+
+
+def test_a_grammar_past_the_size_bound_is_refused_before_it_is_read(monkeypatch):
+    from app.serving import lark_regex
+
+    def unread(text):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(lark_regex, "_tokens", unread)
+    with pytest.raises(NotRegular, match="characters"):
+        lark_to_regex('start: "a"\n' + "// padding\n" * 10_000)
+
+
+def test_one_rule_used_many_times_is_refused_before_it_is_written_out():
+    # A rule of nearly MAX_CHARS used thousands of times in one rule: refused on the way,
+    # not after building a string thousands of times the bound.
+    grammar = "start: a\na: " + " ".join(["b"] * 5_000) + f'\nb: "{"x" * 40_000}"\n'
+    with pytest.raises(NotRegular, match="over"):
+        lark_to_regex(grammar)
+
+
+def test_a_counted_repetition_past_the_bound_leaves_the_tool_free():
+    # llguidance takes "a"~1000000 and fails at the reply's second token.
+    for syntax, definition in (("lark", 'start: "a"~1000000'), ("regex", "(a{1000}){1000}")):
+        spec = {"type": "grammar", "syntax": syntax, "definition": definition}
+        tool = {"type": "custom", "name": "t", "format": spec}
+        schema = _custom_parameters(tool, "t", "tools[0]")
+        assert schema["properties"]["input"] == {"type": "string"}, syntax
