@@ -19,9 +19,16 @@ from fastapi import Request
 from pydantic import Field
 
 from ..engine import Delta, Event, Failed, Finished, Started
-from .chat import ChatCompletionsServing, chat_request, message_chars
+from .chat import ChatCompletionsServing, chat_request, request_chars
 from .errors import APIError
-from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
+from .generation import (
+    collect,
+    compiling,
+    failure_status,
+    off_loop,
+    until_disconnected,
+    with_pauses,
+)
 from .limits import check_model, check_prompt_chars
 from .schemas import ChatCompletionRequest, TextRequest, ToolCallDelta, _Request
 from .sse import EventStream
@@ -283,8 +290,12 @@ class MessagesServing:
         chat.model = self.served_as(req.model)
         engine = self.chat.engine
         check_model(chat.model, engine, self.chat.aliases)
-        check_prompt_chars(sum(map(message_chars, chat.messages)), engine, "messages")
-        tools = await off_loop(plan_tools, chat, engine)
+        check_prompt_chars(request_chars(chat), engine, "messages")
+        tools = (
+            await compiling(plan_tools, chat, engine, param="tools")
+            if chat.tools
+            else plan_tools(chat, engine)
+        )
         strip = self.chat.settings.strip_attribution_header
         kwargs = self.chat.settings.chat_template_kwargs
         tokens = await off_loop(render, engine, chat, tools, strip, kwargs)

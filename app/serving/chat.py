@@ -18,20 +18,20 @@ from .generation import (
     RequestContext,
     Surface,
     collect,
+    compiling,
     new_id,
     now,
     off_loop,
     tracked,
     until_disconnected,
 )
-from .limits import check_model, check_prompt_chars, reserve_slot, sampling_params
+from .limits import check_model, check_prompt_chars, reserve_slot, sampling_params, text_chars
 from .reasoning import ReasoningSplit, opens_thinking, split_whole, think_tags
 from .schemas import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatMessage,
     ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
@@ -104,7 +104,7 @@ class ChatCompletionsServing(Surface):
                 f"{settings.max_messages}.",
                 param="messages",
             )
-        check_prompt_chars(sum(map(message_chars, req.messages)), engine, "messages")
+        check_prompt_chars(request_chars(req), engine, "messages")
         want_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
@@ -112,8 +112,18 @@ class ChatCompletionsServing(Surface):
         try:
             # Off the loop, within the request's slot: compiling a client's JSON schema
             # into a grammar takes what it takes, and must hold up nobody else.
-            tools = await off_loop(plan_tools, req, engine)
-            grammar = tools.grammar or await off_loop(response_format_grammar, req.response_format)
+            # On the grammar threads only what has a grammar to compile: a plain chat never
+            # waits behind another request's costly schema.
+            tools = (
+                await compiling(plan_tools, req, engine, param="tools")
+                if req.tools
+                else plan_tools(req, engine)
+            )
+            grammar = tools.grammar
+            if grammar is None and req.response_format is not None:
+                grammar = await compiling(
+                    response_format_grammar, req.response_format, param="response_format"
+                )
             tokens, marks = await off_loop(
                 render_marked, engine, req, tools, settings.strip_attribution_header,
                 settings.chat_template_kwargs,
@@ -132,7 +142,7 @@ class ChatCompletionsServing(Surface):
             # A grammar that shapes the whole reply; `auto`'s lazy one leaves text free.
             shaped = grammar is not None and not tools.lazy
             if grammar is not None:
-                params.constraint = await off_loop(_constraint, engine, grammar)
+                params.constraint = await compiling(_constraint, engine, grammar)
             if shaped:
                 params.stop = []  # a stop string would cut what the grammar makes whole
         except BaseException:
@@ -319,12 +329,13 @@ def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def message_chars(m: ChatMessage) -> int:
-    """Characters of a message the template renders: a bound on its tokens' count."""
-    thinking = len(m.reasoning_content or m.reasoning or "")  # rendered too, by some templates
-    if isinstance(m.content, list):
-        return thinking + sum(len(part.text or "") for part in m.content)
-    return thinking + len(m.content or "")
+def request_chars(req: ChatCompletionRequest) -> int:
+    """Characters of what a chat request may have rendered into its prompt: every string of
+    its messages (content, reasoning, tool calls' names and arguments, ids) and of its tools
+    (names, descriptions, schemas, their keys too), and each other value at least one. A
+    template writes at least these, so past the bound on the prompt's characters the
+    request is refused whatever the template does with them."""
+    return text_chars([m.model_dump(exclude_none=True) for m in req.messages], req.tools)
 
 
 def _logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:

@@ -21,6 +21,7 @@ from .errors import APIError
 from .limits import Slot
 from .metrics import Metrics
 from .schemas import PromptTokensDetails, Usage
+from .workers import GRAMMARS, TEMPLATING
 
 request_log = logging.getLogger("mlx_cache_server.requests")
 T = TypeVar("T")
@@ -48,9 +49,14 @@ class RequestContext:
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a worker thread: tokenizing and templating a long prompt takes long
-    enough to stall every other client's stream if run on the event loop."""
-    return await asyncio.to_thread(fn, *args)
+    """`fn(*args)` on a templating thread: tokenizing and templating a long prompt takes
+    long enough to stall every other client's stream if run on the event loop."""
+    return await TEMPLATING.run(fn, *args)
+
+
+async def compiling(fn: Callable[..., T], *args: Any, param: str | None = None) -> T:
+    """`fn(*args)` on a grammar thread: a client's schema or grammar compiled."""
+    return await GRAMMARS.run(fn, *args, param=param)
 
 
 async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
@@ -222,6 +228,8 @@ def failure_status(event: Failed) -> tuple[int, str]:
     return {
         "timeout": (408, "timeout_error"),
         "shutdown": (503, "service_unavailable"),
+        # The request's grammar, past what the grammar engine can follow: the client's to fix.
+        "grammar": (400, "invalid_request_error"),
     }.get(event.reason, (500, "server_error"))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from typing import Any
 
 from ..engine import Engine, SamplingParams
 from ..settings import Settings
@@ -72,6 +73,25 @@ def check_prompt_chars(chars: int, engine: Engine, param: str) -> None:
             param=param,
             code="context_length_exceeded",
         )
+
+
+def text_chars(*values: Any) -> int:
+    """Characters of every string in `values` (JSON-like data: dicts, their keys included,
+    lists and scalars), each other scalar counted as its text; walked without recursion,
+    so any nesting is measured."""
+    total, stack = 0, list(values)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            total += sum(len(k) if isinstance(k, str) else 1 for k in value)
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+        elif value is not None:
+            total += len(str(value)) if isinstance(value, int | float) else 1
+    return total
 
 
 def check_model(name: str, engine: Engine, aliases: set[str]) -> None:

@@ -23,7 +23,14 @@ from fastapi import Request
 
 from ..engine import Delta, Failed, Finished, Started
 from .chat import ChatCompletionsServing, Run
-from .generation import collect, failure_status, off_loop, until_disconnected, with_pauses
+from .generation import (
+    collect,
+    compiling,
+    failure_status,
+    off_loop,
+    until_disconnected,
+    with_pauses,
+)
 from .response_store import ResponseStore
 from .responses_input import Offered, ResponsesRequest, input_items, to_chat
 from .schemas import FunctionCall, ToolCall, ToolCallDelta
@@ -56,7 +63,9 @@ class ResponsesServing:
             earlier = self.store.conversation(tenant, req.previous_response_id)
             conversation = [*earlier, *conversation]
         whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
-        chat, offered = await off_loop(to_chat, whole)
+        # Custom tools' grammars are read and checked in the translation: grammar work.
+        translate = compiling if req.tools else off_loop
+        chat, offered = await translate(to_chat, whole)
         run = await self.chat.start(chat, tenant, route=ROUTE)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
         if req.store is not False:
