@@ -26,7 +26,9 @@ Invariants:
   beginning is never older than its end, so its last file goes first.
 - A file is written under a temporary name and renamed, then its row committed;
   on open, rows without a file of the recorded size and files without a row are
-  removed. A file whose checksum does not match on load is dropped, never served.
+  removed. A file's checksum covers all its bytes and the facts of its row that decide
+  what it is served as (`disk_files.binding`): a file that does not match it, or does
+  not parse as what the layout stores, is dropped on load, never served.
 - `clear` wins over writes queued or under way before it: they are dropped.
 - Namespaces (a model in one tenant's name) never share files.
 - One lock guards the trees, the LRU order, the counters and the index; file
@@ -49,7 +51,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .disk_files import BadFile, Segment, join, read_segment
+from .disk_files import BadFile, Segment, binding, join, read_segment
 from .disk_index import SUFFIX, forget, open_index, read_rows
 from .disk_index import remove_stale as remove_stale
 from .disk_space import DiskFile, DiskSpace, DiskStats, namespace_of
@@ -122,7 +124,8 @@ class DiskTier(DiskSpace, DiskWriting):
         orphans = 0
         # Parents before children: a file's run starts where its parent's path ends.
         for row in sorted(rows, key=lambda r: (r.start, r.end)):
-            f = DiskFile(row.name, row.namespace, row.start, row.end, row.nbytes, row.digest)
+            seed = binding(row.name, row.namespace, row.start, row.end, row.layout, row.tokens)
+            f = DiskFile(row.name, row.namespace, row.start, row.end, row.nbytes, row.digest, seed)
             if self._layout not in (None, row.layout):
                 bad.append((row.name, "it was written for another cache layout"))
                 continue
@@ -227,7 +230,9 @@ class DiskTier(DiskSpace, DiskWriting):
 
     def _read(self, f: DiskFile) -> list[list[mx.array]] | None:
         try:
-            return read_segment(self.folder / (f.name + SUFFIX), f.nbytes, f.digest)
+            path = self.folder / (f.name + SUFFIX)
+            return read_segment(path, f.nbytes, f.digest, f.seed, self._layout or "[]",
+                                f.end - f.start)  # fmt: skip
         except BadFile as e:
             return self._bad(f, str(e))
 

@@ -3,7 +3,9 @@ at start; other fingerprints' folders long unused removed.
 
 A row names a file and records its namespace, its token range [start, end), every
 token of its path up to `end`, its size, its checksum, the cache layout and when it
-was last used. The index is the owner's alone (0600) and keeps no trace of a
+was last used. The checksum covers the file and the row's facts that decide what the
+file is served as (`disk_files.binding`): all but its size, checked against the
+file's, and when it was used. The index is the owner's alone (0600) and keeps no trace of a
 deleted row (secure_delete).
 """
 

@@ -28,6 +28,7 @@ class DiskFile:
     end: int
     nbytes: int
     digest: str
+    seed: int  # its row's `disk_files.binding`, which its checksum starts from
     nodes: list[Node] = field(default_factory=list)  # tree nodes whose edge lies in it
 
 

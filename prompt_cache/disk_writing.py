@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
-from .disk_files import Segment, join, write_segment
+from .disk_files import Segment, binding, join, write_segment
 from .disk_index import SUFFIX, Row, insert
 from .disk_space import DiskFile, DiskStats, namespace_of
 from .disk_tree import attach, first_gap, held
@@ -25,7 +25,9 @@ from .radix import TOKEN, Node, walk
 
 log = logging.getLogger("prompt_cache.disk")  # the tier's one logger
 
-FORMAT = 2  # bump when what a file holds changes meaning (2: checksums over the arrays)
+# Bump when what a file holds changes meaning (2: checksums over the arrays; 3: over the
+# whole file and its index row).
+FORMAT = 3
 HEADER_SLACK = 1024  # bytes reserved for a file's header, plus ENTRY_SLACK per array
 ENTRY_SLACK = 128
 MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still has them)
@@ -138,8 +140,9 @@ class DiskWriting:
             segment = join([tuple(tuple(a[..., lo - s : hi - s, :] for a in layer)
                                   for layer in seg) for lo, hi, seg, s, _ in pieces])  # fmt: skip
             meta = {"format": str(FORMAT), "start": str(have), "end": str(stop)}
-            size, digest = write_segment(self.folder, name, segment, meta, reserve)
-            f = DiskFile(name, ns, have, stop, size, digest)
+            seed = binding(name, ns, have, stop, layout, key[: stop * TOKEN])
+            size, digest = write_segment(self.folder, name, segment, meta, reserve, seed)
+            f = DiskFile(name, ns, have, stop, size, digest, seed)
         except Exception as e:  # a full disk, a folder gone: the RAM tier still has it
             log.warning("cannot write a cache segment to disk: %s", e)
         finally:

@@ -150,3 +150,32 @@ def test_an_unreadable_warm_prompts_file_stops_the_start_with_a_message(tiny_mod
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and "expected a JSON list" in done.stderr
+
+
+def test_a_stored_file_whose_header_was_edited_is_recomputed_not_served(
+    tiny_model_dir, uncached_server, tmp_path
+):
+    """A same-size edit of each stored file's first dtype (the arrays' bytes then read as
+    another type) passes no checksum: after a restart the prompt is recomputed, its greedy
+    reply is the uncached one, and the server stays up."""
+    import re
+
+    settings = {"served_model_name": "tiny", "cache_dir": str(tmp_path)}
+    messages = [SYSTEM, {"role": "user", "content": "Hello."}]
+    with serving(str(tiny_model_dir), **settings) as live:
+        chat(live.url, messages)
+        live.engine.cache.disk.flush()
+    other = {b'"F32"': b'"I32"', b'"F16"': b'"I16"', b'"BF16"': b'"I16" '}  # same size, JSON
+    files = list(tmp_path.glob("*/*.safetensors"))
+    assert files
+    for path in files:
+        data = path.read_bytes()
+        m = re.search(rb'"dtype":("\w+")', data)
+        path.write_bytes(data[: m.start(1)] + other[m.group(1)] + data[m.end(1) :])
+    with serving(str(tiny_model_dir), **settings) as live:
+        text, usage = chat(live.url, messages)
+        assert httpx.get(live.url + "/health").status_code == 200
+        disk = live.engine.cache.disk.stats
+    assert text == chat(uncached_server.url, messages)[0]
+    assert not usage.prompt_tokens_details or not usage.prompt_tokens_details.cached_tokens
+    assert disk.dropped >= 1
