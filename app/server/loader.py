@@ -7,7 +7,6 @@ import contextlib
 import gc
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from ..serving.completions import CompletionsServing
 from ..serving.defaults import SamplingDefaults, model_folder, sampling_defaults
 from ..serving.embeddings import EmbeddingsServing
 from ..serving.metrics import Metrics
+from ..serving.response_file import stored_responses_path
 from ..serving.response_store import ResponseStore
 from ..serving.responses import ResponsesServing
 from ..settings import Settings, describe_size
@@ -64,16 +64,16 @@ def serve_engine(
         chat=chat,
         completions=CompletionsServing(engine, settings, metrics, names, defaults),
         messages=MessagesServing(chat),
-        responses=ResponsesServing(chat, ResponseStore(path=_stored_responses(settings, engine))),
+        responses=ResponsesServing(chat, _response_store(settings, engine.model_id)),
     )
 
 
-def _stored_responses(settings: Settings, engine: Engine) -> Path | None:
-    """Where a model's stored responses outlive the server: beside the disk tier."""
+def _response_store(settings: Settings, model_id: str) -> ResponseStore:
+    """A model's stored responses: with a cache dir, in a file beside the disk tier."""
     if not settings.cache_dir:
-        return None
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", engine.model_id)
-    return Path(settings.cache_dir).expanduser() / "responses" / f"{name}.sqlite"
+        return ResponseStore()
+    path = stored_responses_path(settings.cache_dir, model_id)
+    return ResponseStore(path=path, model_id=model_id)
 
 
 class ModelLoader:
