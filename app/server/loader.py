@@ -28,7 +28,7 @@ from ..serving.metrics import Metrics
 from ..serving.response_file import stored_responses_path
 from ..serving.response_store import ResponseStore
 from ..serving.responses import ResponsesServing
-from ..settings import Settings, describe_size
+from ..settings import Settings, default_cache_bytes, describe_size
 from .build import build_engine, context_length_of, weights_dtype
 
 log = logging.getLogger("mlx_cache_server")
@@ -96,10 +96,22 @@ class ModelLoader:
 
     def settings_of(self, spec: ModelSpec) -> Settings:
         settings = spec.settings(self.settings)
-        if settings.cache_max_bytes is None and settings.memory_budget is not None:
-            # An unbounded cache would make the budget meaningless.
-            settings = replace(settings, cache_max_bytes=settings.memory_budget // 4)
+        if settings.cache_max_bytes is None:
+            # An unbounded cache would make the budget meaningless, and one client's
+            # distinct long prompts could fill the machine.
+            budget, _ = self._default_cache_bytes(settings)
+            settings = replace(settings, cache_max_bytes=budget)
         return settings
+
+    def _default_cache_bytes(self, settings: Settings) -> tuple[int, str]:
+        return default_cache_bytes(settings.memory_budget, memory.machine_memory())
+
+    def _cache_budget_origin(self, spec: ModelSpec) -> str | None:
+        """How the cache's byte budget was chosen where no setting gave it, for the log."""
+        settings = spec.settings(self.settings)
+        if settings.cache_max_bytes is not None:
+            return None
+        return f"by default, {self._default_cache_bytes(settings)[1]}; --cache-max-bytes sets it"
 
     def kind(self, spec: ModelSpec) -> str | None:
         """What the model serves, known before loading it: "embedding" (configured so, or
@@ -145,7 +157,7 @@ class ModelLoader:
             return self._open_embedder(spec, settings, path, pooling)
         engine = build_engine(settings, path, self.group)
         served = serve_engine(spec, engine, settings, self.metrics, self.names(spec))
-        _describe(served, path)
+        _describe(served, path, self._cache_budget_origin(spec))
         engine.start()
         return served
 
@@ -332,7 +344,7 @@ def _safetensors_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def _describe(served: ServedModel, path: str) -> None:
+def _describe(served: ServedModel, path: str, budget_origin: str | None = None) -> None:
     """The startup log's lines about one model: what it runs on, samples with and caches."""
     import mlx.core as mx
 
@@ -347,10 +359,11 @@ def _describe(served: ServedModel, path: str) -> None:
         log.info("%s: prompt cache: off (--no-cache)", engine.model_id)
         return
     log.info(
-        "%s: prompt cache: at most %d sequences, %s, %s",
+        "%s: prompt cache: at most %d sequences, %s%s, %s",
         engine.model_id,
         settings.cache_max_sequences,
         describe_size(settings.cache_max_bytes),
+        f" ({budget_origin})" if budget_origin else "",
         "full-precision KV"
         if settings.kv_bits is None
         else f"{settings.kv_bits}-bit KV in groups of {settings.kv_group_size}",
