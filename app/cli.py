@@ -57,7 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8080)")
     serve.add_argument("--config", type=Path, help="a TOML settings file, see configs/")
     serve.add_argument("--cache-max-sequences", type=int, help="cached sequences at most")
-    serve.add_argument("--cache-max-bytes", help="cache byte budget, e.g. 2GiB")
+    serve.add_argument(
+        "--cache-max-bytes",
+        help="cache byte budget, e.g. 2GiB (default: a quarter of --memory-budget, else an "
+        "eighth of the machine's memory)",
+    )
     serve.add_argument("--no-cache", action="store_true", default=None, help="serve uncached")
     serve.add_argument("--cache-dir", help="a folder for the cache's disk tier (kept on restart)")
     serve.add_argument("--cache-disk-bytes", help="the disk tier's byte budget (default 16GiB)")

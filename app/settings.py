@@ -33,7 +33,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8080
     cache_max_sequences: int = 64
-    cache_max_bytes: int | None = None
+    cache_max_bytes: int | None = None  # None: `default_cache_bytes`
     no_cache: bool = False
     cache_dir: str | None = None  # a disk tier under the cache, kept across restarts
     cache_disk_bytes: int = 16 * 1024**3  # its byte budget
@@ -179,3 +179,18 @@ def describe_size(n: int | None) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+FALLBACK_CACHE_BYTES = 2 * 1024**3  # where the machine's memory cannot be read
+
+
+def default_cache_bytes(memory_budget: int | None, machine: int | None) -> tuple[int, str]:
+    """The RAM cache's byte budget where none is set, and how it was chosen: a quarter of
+    the models' memory budget (which counts it), else an eighth of the machine's memory
+    (`machine`, None if unknown; the rest holds the weights, the requests' working memory
+    and everything else running), so that no client can fill the machine with prompts."""
+    if memory_budget is not None:
+        return memory_budget // 4, "a quarter of --memory-budget"
+    if machine is not None and machine > 0:
+        return machine // 8, f"an eighth of the {describe_size(machine)} of memory here"
+    return FALLBACK_CACHE_BYTES, "the machine's memory is unknown"

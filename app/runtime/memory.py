@@ -11,7 +11,10 @@ bench/README.md ("Memory", and "glibc's mmap threshold and long prompts").
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -65,3 +68,25 @@ def limit_buffer_pool(limit: int = 4 << 20) -> bool:
         return False
     mx.set_cache_limit(limit)
     return True
+
+
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+@functools.cache
+def machine_memory() -> int | None:
+    """The memory this process may use: the machine's RAM, or a container's (cgroup) limit
+    where that is less; None where neither can be read."""
+    try:
+        found = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
+    except (ValueError, OSError, AttributeError):
+        found = []
+    for limit in CGROUP_LIMITS:
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max": no limit
+            found.append(int(text))
+    found = [n for n in found if n > 0]
+    return min(found) if found else None

@@ -7,7 +7,6 @@ import contextlib
 import gc
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,9 +25,10 @@ from ..serving.completions import CompletionsServing
 from ..serving.defaults import SamplingDefaults, model_folder, sampling_defaults
 from ..serving.embeddings import EmbeddingsServing
 from ..serving.metrics import Metrics
+from ..serving.response_file import stored_responses_path
 from ..serving.response_store import ResponseStore
 from ..serving.responses import ResponsesServing
-from ..settings import Settings, describe_size
+from ..settings import Settings, default_cache_bytes, describe_size
 from .build import build_engine, context_length_of, weights_dtype
 
 log = logging.getLogger("mlx_cache_server")
@@ -64,16 +64,16 @@ def serve_engine(
         chat=chat,
         completions=CompletionsServing(engine, settings, metrics, names, defaults),
         messages=MessagesServing(chat),
-        responses=ResponsesServing(chat, ResponseStore(path=_stored_responses(settings, engine))),
+        responses=ResponsesServing(chat, _response_store(settings, engine.model_id)),
     )
 
 
-def _stored_responses(settings: Settings, engine: Engine) -> Path | None:
-    """Where a model's stored responses outlive the server: beside the disk tier."""
+def _response_store(settings: Settings, model_id: str) -> ResponseStore:
+    """A model's stored responses: with a cache dir, in a file beside the disk tier."""
     if not settings.cache_dir:
-        return None
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", engine.model_id)
-    return Path(settings.cache_dir).expanduser() / "responses" / f"{name}.sqlite"
+        return ResponseStore()
+    path = stored_responses_path(settings.cache_dir, model_id)
+    return ResponseStore(path=path, model_id=model_id)
 
 
 class ModelLoader:
@@ -96,10 +96,22 @@ class ModelLoader:
 
     def settings_of(self, spec: ModelSpec) -> Settings:
         settings = spec.settings(self.settings)
-        if settings.cache_max_bytes is None and settings.memory_budget is not None:
-            # An unbounded cache would make the budget meaningless.
-            settings = replace(settings, cache_max_bytes=settings.memory_budget // 4)
+        if settings.cache_max_bytes is None:
+            # An unbounded cache would make the budget meaningless, and one client's
+            # distinct long prompts could fill the machine.
+            budget, _ = self._default_cache_bytes(settings)
+            settings = replace(settings, cache_max_bytes=budget)
         return settings
+
+    def _default_cache_bytes(self, settings: Settings) -> tuple[int, str]:
+        return default_cache_bytes(settings.memory_budget, memory.machine_memory())
+
+    def _cache_budget_origin(self, spec: ModelSpec) -> str | None:
+        """How the cache's byte budget was chosen where no setting gave it, for the log."""
+        settings = spec.settings(self.settings)
+        if settings.cache_max_bytes is not None:
+            return None
+        return f"by default, {self._default_cache_bytes(settings)[1]}; --cache-max-bytes sets it"
 
     def kind(self, spec: ModelSpec) -> str | None:
         """What the model serves, known before loading it: "embedding" (configured so, or
@@ -145,7 +157,7 @@ class ModelLoader:
             return self._open_embedder(spec, settings, path, pooling)
         engine = build_engine(settings, path, self.group)
         served = serve_engine(spec, engine, settings, self.metrics, self.names(spec))
-        _describe(served, path)
+        _describe(served, path, self._cache_budget_origin(spec))
         engine.start()
         return served
 
@@ -332,7 +344,7 @@ def _safetensors_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def _describe(served: ServedModel, path: str) -> None:
+def _describe(served: ServedModel, path: str, budget_origin: str | None = None) -> None:
     """The startup log's lines about one model: what it runs on, samples with and caches."""
     import mlx.core as mx
 
@@ -347,10 +359,11 @@ def _describe(served: ServedModel, path: str) -> None:
         log.info("%s: prompt cache: off (--no-cache)", engine.model_id)
         return
     log.info(
-        "%s: prompt cache: at most %d sequences, %s, %s",
+        "%s: prompt cache: at most %d sequences, %s%s, %s",
         engine.model_id,
         settings.cache_max_sequences,
         describe_size(settings.cache_max_bytes),
+        f" ({budget_origin})" if budget_origin else "",
         "full-precision KV"
         if settings.kv_bits is None
         else f"{settings.kv_bits}-bit KV in groups of {settings.kv_group_size}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import stat
 import threading
 
 import httpx
@@ -290,6 +291,30 @@ def test_sigterm_finishes_running_streams_then_exits(tiny_model_dir):
         assert proc.wait(30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_plain_start_bounds_the_cache_by_the_memory_and_keeps_responses_private(
+    tiny_model_dir, tmp_path
+):
+    from app.runtime.memory import machine_memory
+    from app.serving.response_file import stored_responses_path
+    from app.settings import default_cache_bytes
+
+    proc, url = start_server(tiny_model_dir, "--cache-dir", str(tmp_path))
+    try:
+        expected = default_cache_bytes(None, machine_memory())[0]
+        assert httpx.get(url + "/v1/cache").json()["max_bytes"] == expected
+        body = {"model": "tiny", "input": "Hi.", "max_output_tokens": 2}
+        assert httpx.post(url + "/v1/responses", json=body, timeout=60).status_code == 200
+        stored = stored_responses_path(tmp_path, "tiny")
+        assert stat.S_IMODE(stored.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "(by default, an eighth of the" in proc.stdout.read()  # the start log says it
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,6 +1,13 @@
 import pytest
 
-from app.settings import describe_size, load_settings, parse_size
+from app.settings import (
+    FALLBACK_CACHE_BYTES,
+    Settings,
+    default_cache_bytes,
+    describe_size,
+    load_settings,
+    parse_size,
+)
 
 
 def test_sizes():
@@ -35,3 +42,43 @@ def test_unknown_setting_is_refused(tmp_path):
 def test_a_decode_gap_must_be_a_positive_number_of_seconds(gap):
     with pytest.raises(ValueError, match="decode_gap"):
         load_settings(None, {"decode_gap": gap})
+
+
+def test_the_ram_cache_has_a_byte_budget_that_fits_the_machine_by_default():
+    gib = 1024**3
+    assert default_cache_bytes(None, 16 * gib) == (
+        2 * gib,
+        "an eighth of the 16.0 GiB of memory here",
+    )
+    assert default_cache_bytes(8 * gib, 64 * gib)[0] == 2 * gib  # the models' budget counts it
+    assert default_cache_bytes(None, None) == (
+        FALLBACK_CACHE_BYTES,
+        "the machine's memory is unknown",
+    )
+
+
+def test_a_model_without_a_cache_budget_gets_the_default_and_a_set_one_wins(monkeypatch):
+    from app.models.specs import ModelSpec
+    from app.runtime import memory
+    from app.server.loader import ModelLoader
+
+    monkeypatch.setattr(memory, "machine_memory", lambda: 32 * 1024**3)
+    spec = ModelSpec("m", "/models/m")
+    loader = ModelLoader(Settings(), metrics=None, names=None)
+    assert loader.settings_of(spec).cache_max_bytes == 4 * 1024**3
+    assert "an eighth of the 32.0 GiB" in loader._cache_budget_origin(spec)
+    loader = ModelLoader(Settings(cache_max_bytes=1 << 20), metrics=None, names=None)
+    assert loader.settings_of(spec).cache_max_bytes == 1 << 20
+    assert loader._cache_budget_origin(spec) is None
+
+
+def test_a_containers_memory_limit_counts_as_the_machines(monkeypatch, tmp_path):
+    from app.runtime import memory
+
+    unlimited, limited = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    unlimited.write_text("max\n")
+    limited.write_text(f"{1 << 30}\n")
+    monkeypatch.setattr(memory, "CGROUP_LIMITS", (str(unlimited), str(tmp_path / "none")))
+    assert memory.machine_memory.__wrapped__() > 1 << 20  # the machine's RAM
+    monkeypatch.setattr(memory, "CGROUP_LIMITS", (str(unlimited), str(limited)))
+    assert memory.machine_memory.__wrapped__() == 1 << 30
