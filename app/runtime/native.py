@@ -144,15 +144,16 @@ def _built(key: str, name: str, command: Callable[[Path], list[str]]) -> Path:
         return found
     try:
         staged = kernel_cache.staging(key)
-    except OSError as e:  # a read-only cache home: MLX's own path
+        try:
+            _run(command(staged / name))
+            published = kernel_cache.publish(staged, key, name)
+        finally:
+            kernel_cache.discard(staged)  # gone already where it was published
+    except OSError as e:  # a read-only cache home, a full disk: MLX's own path
+        where = e.filename or kernel_cache.base()
         raise kernel_cache.Unusable(
-            f"the kernel cache {kernel_cache.root()} cannot be written: {e.strerror or e}"
+            f"the kernel cache cannot be written ({where}): {e.strerror or e}"
         ) from e
-    try:
-        _run(command(staged / name))
-        published = kernel_cache.publish(staged, key, name)
-    finally:
-        kernel_cache.discard(staged)  # gone already where it was published
     if published is None:
         raise BuildFailed(f"{name} does not match its digest once built")
     return published
@@ -176,7 +177,7 @@ def library() -> Path | None:
             problem = f"LD_PRELOAD cannot carry the path {kernel_cache.root()} (a space or colon)"
             return None
         return _built(key, NAME, lambda out: [compiler, *FLAGS, "-o", str(out), *sources, "-ldl"])
-    except (BuildFailed, kernel_cache.Unusable) as e:
+    except (BuildFailed, kernel_cache.Unusable, OSError) as e:
         problem = str(e)
         return None
 
@@ -236,7 +237,7 @@ def _load_layers() -> ModuleType | None:
     try:
         key = _key(compiler, (*LAYERS_SOURCES, *LAYERS_HEADERS), versions)
         target = _built(key, LAYERS_MODULE + suffix, command)
-    except (BuildFailed, kernel_cache.Unusable) as e:
+    except (BuildFailed, kernel_cache.Unusable, OSError) as e:
         layers_problem = str(e)
         return None
     spec = importlib.util.spec_from_file_location(LAYERS_MODULE, target)

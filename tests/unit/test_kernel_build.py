@@ -4,6 +4,7 @@ and whole is handed out to be loaded or preloaded. A stub compiler stands in for
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import sys
@@ -124,6 +125,17 @@ def test_a_cache_home_that_cannot_be_written_leaves_the_kernels_out(tmp_path, mo
         home.mkdir(mode=0o500)
         monkeypatch.setenv("XDG_CACHE_HOME", str(home))
         assert native.library() is None and "kernel cache" in native.problem
+
+
+def test_a_full_disk_while_publishing_leaves_the_kernels_out(home, tmp_path, monkeypatch):
+    stub(tmp_path, monkeypatch)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(home))
+
+    monkeypatch.setattr(kernel_cache, "publish", full)
+    assert native.library() is None and "cannot be written" in native.problem
+    assert not list(kernel_cache.root().iterdir())  # nothing half built is left
 
 
 def test_a_compiler_that_hangs_is_stopped_with_its_children(home, tmp_path, monkeypatch):
