@@ -201,8 +201,25 @@ def main(argv: list[str] | None = None) -> int:
         return import_command(args)
     from .runtime.blas import reexec_preloaded
 
-    reexec_preloaded(["-m", "app", *argv])
+    reexec_preloaded(_itself(argv))
     return serve(args)
+
+
+def _itself(argv: list[str]) -> list[str]:
+    """The interpreter's arguments that run this command again, on this same `app`.
+
+    Not `-m app`: that puts the working folder first on sys.path, where a project's own
+    `app/` package would run instead of the server. `-P` leaves the working folder out;
+    the folder this `app` was imported from goes first only where the path lacks it (a
+    source checkout run from its root), so the new process imports what this one did."""
+    root = str(Path(__file__).resolve().parents[1])
+    code = (
+        "import os, sys\n"
+        f"if {root!r} not in map(os.path.realpath, sys.path): sys.path.insert(0, {root!r})\n"
+        "from app.cli import main\n"
+        "sys.exit(main())"
+    )
+    return ["-P", "-c", code, *argv]
 
 
 def import_command(args: argparse.Namespace) -> int:

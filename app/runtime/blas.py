@@ -4,7 +4,8 @@ The `mlx[cpu]` wheel bundles the reference BLAS, many times slower for float32
 prefill than OpenBLAS (bench/README.md, "The CPU path"). Our kernels for a decode
 step's products (`native.py`) go in front of it. Both have to be loaded before MLX is,
 so a process that lacks them re-executes itself once with LD_PRELOAD set; the user
-never has to know.
+never has to know. Only a library `native.library()` has checked against its digest goes
+into LD_PRELOAD: a fault there kills the process before it can log a line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 _DONE = "MLX_CACHE_SERVER_BLAS_CHECKED"
+_WHY = "MLX_CACHE_SERVER_KERNELS_OFF"  # why the re-executed process has no kernels
 
 
 def find_openblas() -> str | None:
@@ -66,6 +68,9 @@ def reexec_preloaded(argv: list[str]) -> None:
     if not libs:
         return
     env = dict(os.environ, **{_DONE: "1"})
+    env.pop(_WHY, None)
+    if native.problem:  # said in its log, without building again
+        env[_WHY] = native.problem
     env["LD_PRELOAD"] = " ".join(p for p in (*libs, env.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -79,8 +84,10 @@ def describe() -> tuple[str, bool]:
     if openblas_loaded():
         if native.loaded() is not None:
             return "OpenBLAS (preloaded), a decode step's products on our kernels", True
-        # A re-executed child did not try the build itself: trying it finds the reason.
-        why = native.problem or ("not preloaded" if native.library() else native.problem)
+        # A re-executed child did not try the build itself: its parent said why, else
+        # trying it finds the reason.
+        why = native.problem or os.environ.get(_WHY)
+        why = why or ("not preloaded" if native.library() else native.problem)
         return f"OpenBLAS (preloaded); our decode kernels are off ({why})", True
     return (
         "the reference BLAS bundled with mlx-cpu (slow; apt-get install libopenblas0-pthread)",

@@ -2,8 +2,11 @@
 
 MLX's CPU backend compiles its fused kernels with the system's C compiler at run time;
 these are built the same way, for the CPU at hand (`-march=native`), into a folder under
-the user's cache keyed by the sources, the compiler and the CPU. No compiler, or a
-failed build, leaves them out: MLX's own path runs, slower (`problem` says why).
+the user's cache keyed by the sources, the compiler and the CPU (`kernel_cache.py`: ours
+alone, published whole, each library checked against its digest before it is loaded).
+Each compiler run is bounded in time (`BUILD_SECONDS`), its process group killed past it.
+No compiler, a failed or stopped build, or a cache that cannot be used or written leaves
+them out, and never stops a start: MLX's own path runs, slower (`problem` says why).
 
 The library goes in front of OpenBLAS in LD_PRELOAD (`blas.py`), where its
 `cblas_sgemm` sees MLX's calls first (`csrc/gemm.c` says which it keeps): it needs the
@@ -22,17 +25,23 @@ import importlib.util
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+
+from . import kernel_cache
 
 SOURCES = ("pool.c", "gemm.c", "attention.c")
 HEADERS = ("pool.h", "vec.h", "attention.h")
 NAME = "libmlx_cache_server_kernels.so"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread", "-std=gnu11")
 DISABLE = "MLX_CACHE_SERVER_NO_KERNELS"  # set: MLX's own path, as without a compiler
+BUILD_SECONDS = "MLX_CACHE_SERVER_KERNEL_BUILD_SECONDS"  # the most one compiler run may take
+DEFAULT_BUILD_SECONDS = 300.0
 
 problem: str | None = None  # why the kernels are not built, once a build was tried
 
@@ -78,7 +87,7 @@ def _cpu() -> str:
 
 
 def _key(compiler: str, files: tuple[str, ...], parts: tuple[str, ...]) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = _run([compiler, "--version"])
     digest = hashlib.sha256()
     for name in files:
         digest.update((_csrc() / name).read_bytes())
@@ -87,28 +96,67 @@ def _key(compiler: str, files: tuple[str, ...], parts: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build(cmd: list[str], partial: Path, target: Path) -> str | None:
-    """Run the compiler's `cmd`, which writes `partial`, and publish it as `target`; what
-    went wrong, if anything."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    built = subprocess.run(cmd, capture_output=True, text=True)
-    if built.returncode != 0:
-        partial.unlink(missing_ok=True)
-        return f"`{' '.join(cmd)}` failed: {built.stderr.strip()[-500:]}"
-    # Published whole and never replaced: a process starting beside this one that built
-    # it too keeps its own copy, and one that already mapped this file keeps it.
+class BuildFailed(Exception):
+    """Why a compiler run did not give a library."""
+
+
+def build_seconds() -> float:
+    """How long one compiler run may take (`BUILD_SECONDS` in the environment)."""
     try:
-        os.link(partial, target)
-    except FileExistsError:
-        pass
-    finally:
-        partial.unlink(missing_ok=True)
-    return None
+        return float(os.environ.get(BUILD_SECONDS) or DEFAULT_BUILD_SECONDS)
+    except ValueError:
+        return DEFAULT_BUILD_SECONDS
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlx-cache-server" / "kernels"
+def _run(cmd: list[str]) -> str:
+    """Run `cmd` in a process group of its own and return its output; `BuildFailed` if it
+    fails or runs past `build_seconds()`. A run cut short (timed out, or this process
+    interrupted) has its whole group killed: no compiler's child outlives the start."""
+    seconds = build_seconds()
+    try:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+    except OSError as e:
+        raise BuildFailed(f"`{cmd[0]}` does not run: {e.strerror or e}") from e
+    try:
+        out, err = proc.communicate(timeout=seconds)
+    except BaseException as e:
+        # Not reaped yet, so its process group is still its own to kill.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise BuildFailed(
+                f"`{cmd[0]}` ran past {seconds:g} s ({BUILD_SECONDS}): stopped"
+            ) from None
+        raise
+    if proc.returncode != 0:
+        raise BuildFailed(f"`{' '.join(cmd)}` failed: {err.strip()[-500:]}")
+    return out
+
+
+def _built(key: str, name: str, command: Callable[[Path], list[str]]) -> Path:
+    """`key`'s library `name` from the kernel cache, verified, compiled by `command(path)`
+    first if it is not there whole. `BuildFailed` or `kernel_cache.Unusable` say why not."""
+    found = kernel_cache.find(key, name)
+    if found is not None:
+        return found
+    try:
+        staged = kernel_cache.staging(key)
+        try:
+            _run(command(staged / name))
+            published = kernel_cache.publish(staged, key, name)
+        finally:
+            kernel_cache.discard(staged)  # gone already where it was published
+    except OSError as e:  # a read-only cache home, a full disk: MLX's own path
+        where = e.filename or kernel_cache.base()
+        raise kernel_cache.Unusable(
+            f"the kernel cache cannot be written ({where}): {e.strerror or e}"
+        ) from e
+    if published is None:
+        raise BuildFailed(f"{name} does not match its digest once built")
+    return published
 
 
 def library() -> Path | None:
@@ -122,16 +170,16 @@ def library() -> Path | None:
     if compiler is None:
         problem = "no C compiler (install gcc, or set CC)"
         return None
-    target = cache_root() / _key(compiler, SOURCES + HEADERS, FLAGS) / NAME
-    if any(c in str(target) for c in " :"):
-        problem = f"LD_PRELOAD cannot carry the path {target} (a space or colon in it)"
-        return None
-    if target.exists():
-        return target
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
     sources = [str(_csrc() / f) for f in SOURCES]
-    problem = _build([compiler, *FLAGS, "-o", str(partial), *sources, "-ldl"], partial, target)
-    return None if problem else target
+    try:
+        key = _key(compiler, SOURCES + HEADERS, FLAGS)
+        if any(c in str(kernel_cache.root()) for c in " :"):
+            problem = f"LD_PRELOAD cannot carry the path {kernel_cache.root()} (a space or colon)"
+            return None
+        return _built(key, NAME, lambda out: [compiler, *FLAGS, "-o", str(out), *sources, "-ldl"])
+    except (BuildFailed, kernel_cache.Unusable, OSError) as e:
+        problem = str(e)
+        return None
 
 
 def loaded() -> Path | None:
@@ -176,20 +224,22 @@ def _load_layers() -> ModuleType | None:
     nb = Path(nanobind.source_dir()).parent
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     versions = (mx.__version__, nanobind.__version__, sys.version, *LAYERS_FLAGS)
-    key = _key(compiler, (*LAYERS_SOURCES, *LAYERS_HEADERS), versions)
-    target = cache_root() / key / (LAYERS_MODULE + suffix)
-    if not target.exists():
-        partial = target.with_name(f"{LAYERS_MODULE}.{os.getpid()}.tmp")
-        includes = [nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]
-        cmd = [
+    includes = [nb / "include", nb / "ext" / "robin_map" / "include", mlx_dir / "include"]
+
+    def command(out: Path) -> list[str]:
+        return [
             compiler, *LAYERS_FLAGS, *(f"-I{d}" for d in includes),
-            f"-I{sysconfig.get_paths()['include']}", "-o", str(partial),
+            f"-I{sysconfig.get_paths()['include']}", "-o", str(out),
             str(nb / "src" / "nb_combined.cpp"), *(str(_csrc() / f) for f in LAYERS_SOURCES),
             f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
         ]  # fmt: skip
-        layers_problem = _build(cmd, partial, target)
-        if layers_problem:
-            return None
+
+    try:
+        key = _key(compiler, (*LAYERS_SOURCES, *LAYERS_HEADERS), versions)
+        target = _built(key, LAYERS_MODULE + suffix, command)
+    except (BuildFailed, kernel_cache.Unusable, OSError) as e:
+        layers_problem = str(e)
+        return None
     spec = importlib.util.spec_from_file_location(LAYERS_MODULE, target)
     module = importlib.util.module_from_spec(spec)
     try:

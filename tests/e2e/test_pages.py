@@ -30,6 +30,14 @@ def test_the_chat_page_and_its_files_come_with_a_strict_policy(server):
         assert got.status_code == 404 and got.json()["error"]["message"]
 
 
+def test_a_name_too_long_to_open_is_a_404_and_stays_out_of_the_log(server, caplog):
+    name = "a" * 5000 + ".js"
+    got = httpx.get(f"{server.url}/ui/{name}")
+    assert got.status_code == 404 and got.json()["error"]["code"] == "not_found"
+    assert not any(name[:300] in record.getMessage() for record in caplog.records)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_the_pages_ask_nothing_of_any_other_server():
     """Offline and under the policy: no URL of another host in any file."""
     for path in STATIC.iterdir():

@@ -33,8 +33,12 @@ router = APIRouter(include_in_schema=False)
 
 def _file(name: str) -> Response:
     path = STATIC / name
-    if path.parent != STATIC or path.suffix not in TYPES or not path.is_file():
-        raise APIError(404, f"No page or file '/ui/{name}'.", code="not_found")
+    try:
+        found = path.parent == STATIC and path.suffix in TYPES and path.is_file()
+    except (OSError, ValueError):  # a name the system cannot open (too long): not ours
+        found = False
+    if not found:
+        raise APIError(404, f"No page or file '/ui/{name[:100]}'.", code="not_found")
     return FileResponse(path, media_type=TYPES[path.suffix], headers=HEADERS)
 
 
