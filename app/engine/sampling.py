@@ -32,10 +32,12 @@ def make_sampler(
 class Categorical:
     """Filtered categorical sampling at a temperature.
 
-    With a seed the request draws from its own key, so its output does not depend on
-    what else is running in the batch. The key is split once a draw and kept in `key`:
-    a step that draws for positions it then throws away (a verified draft, `speculative`)
-    puts back the key of the draws it kept, so a seeded reply is the one plain steps give.
+    With a seed the request draws from its own key, so its draws do not depend on what
+    else is running in the batch (its logits may: a batch of other streams sums the
+    matrix products in another order, see docs/api.md's Reproducibility). The key is
+    split once a draw and kept in `key`: a step that draws for positions it then throws
+    away (a verified draft, `speculative`) puts back the key of the draws it kept, so a
+    seeded reply is the one plain steps give.
     """
 
     def __init__(

@@ -223,6 +223,12 @@ def walk_schema(schema: Any) -> Iterator[dict]:
             stack.extend(_subschemas(node))
 
 
+def ref_targets(schema: Any) -> dict[int, Any]:
+    """Each schema object's local `$ref` target (a schema object or a boolean), by the id
+    of the object that holds the `$ref`; for a schema `check_schema` let through."""
+    return _graph(schema, "schema").refs
+
+
 def _subschemas(node: Any) -> Iterator[Any]:
     if not isinstance(node, dict):
         return

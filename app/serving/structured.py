@@ -13,6 +13,7 @@ from typing import Any
 import llguidance
 
 from ..engine.constraint import on_deep_stack
+from .closed_schema import closed
 from .errors import APIError
 from .schema_checks import MANY, NAMED, ONE, check_schema, walk_schema
 
@@ -80,6 +81,8 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> str | Non
 def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     """JSON for one call of one of `tools`: {"name": ..., "arguments": {...}}.
 
+    The arguments are closed objects: only the properties a tool's schema names
+    (`closed_schema`), as OpenAI's strict function calling reads them.
     A tool's parameters whose `$ref`s point into themselves ("#/$defs/Addr", as
     pydantic writes nested models, or "#" for a recursive one) are moved under the
     call schema's `$defs`, their pointers rewritten to lead there, so they resolve
@@ -90,6 +93,7 @@ def tool_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         function = tool["function"]
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         check_schema(parameters, f"tools[{i}].function.parameters")
+        parameters = closed(parameters)
         if _has_local_refs(parameters):
             home = f"#/$defs/tool{i}"
             defs[f"tool{i}"] = _rerooted(parameters, home)

@@ -150,7 +150,8 @@ def test_a_tool_without_refs_keeps_its_parameters_inline():
     schema = tool_call_schema(
         [{"type": "function", "function": {"name": "f", "parameters": params}}]
     )
-    assert schema["properties"]["arguments"] is params and "$defs" not in schema
+    assert schema["properties"]["arguments"] == {**params, "additionalProperties": False}
+    assert "$defs" not in schema
 
 
 def test_a_tools_unsatisfiable_parameters_are_named():
