@@ -9,10 +9,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from signal import SIGINT, SIGTERM
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -356,7 +354,9 @@ def serve(args: argparse.Namespace) -> int:
     def draining() -> None:
         app.state.server.draining = True
 
-    server = _graceful_server_class()(
+    from .server.graceful import GracefulServer
+
+    server = GracefulServer(
         uvicorn_config(app, settings), stop_engines, settings.shutdown_grace, draining
     )
     failed = threading.Event()
@@ -412,50 +412,3 @@ def _start_warming(first: ServedModel, items: list, settings: Settings) -> None:
         first.settings.chat_template_kwargs,
     )  # fmt: skip
     threading.Thread(target=warm, args=warming, daemon=True).start()
-
-
-def _graceful_server_class() -> type:
-    import asyncio
-
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn's shutdown on SIGINT/SIGTERM, ending every stream properly, and exit 0.
-
-        Requests still running when the grace period ends are failed by stopping
-        the engines, so their streams end with an error event and `[DONE]` instead
-        of being cut; uvicorn's own cancellation (`connections.END_MARGIN` later)
-        is only the last resort. uvicorn re-raises the signal once it has shut
-        down, which would kill the process before the engine is stopped and make
-        a clean stop look like a crash.
-        """
-
-        def __init__(
-            self,
-            config: uvicorn.Config,
-            stop_engines: Callable[[], None],
-            grace: float,
-            draining: Callable[[], None] = lambda: None,
-        ) -> None:
-            super().__init__(config)
-            self.stop_engines, self.grace, self.draining = stop_engines, grace, draining
-
-        async def _wait_tasks_to_complete(self) -> None:
-            self.draining()  # streams that would run on forever end now
-            try:
-                await asyncio.wait_for(super()._wait_tasks_to_complete(), self.grace)
-            except asyncio.TimeoutError:
-                log.warning("grace period over: ending the requests still running")
-                await asyncio.to_thread(self.stop_engines)
-                await super()._wait_tasks_to_complete()
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            previous = {s: signal.signal(s, self.handle_exit) for s in (SIGINT, SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return GracefulServer

@@ -1,7 +1,7 @@
 """What the server extends of uvicorn (not public API) is still there, in the installed uvicorn.
 
 `server.connections.GuardedH11` overrides methods of uvicorn's h11 protocol and
-`cli`'s GracefulServer one of its server; a uvicorn release that renames them
+`server.graceful.GracefulServer` one of its server; a uvicorn release that renames them
 would silently drop the guards, so these tests fail instead.
 """
 
@@ -16,7 +16,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 def test_the_installed_uvicorn_is_the_release_line_the_guards_were_checked_for():
     major, minor, *_ = version("uvicorn").split(".")
-    assert (int(major), int(minor)) == (0, 54), "re-check app/server/connections.py and cli.py"
+    assert (int(major), int(minor)) == (0, 54), "re-check app/server/connections.py and graceful.py"
 
 
 def test_the_methods_the_guards_override_exist_with_the_same_signatures():
