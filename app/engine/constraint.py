@@ -118,7 +118,8 @@ class GrammarProcessor:
         if self.seen is not None:  # the first step's mask was filled when it was built
             for token in tokens[self.seen : n].tolist():
                 if not self.matcher.consume_token(token):
-                    raise GrammarFailed(
+                    # The mask let through what the grammar refuses: the server's fault.
+                    raise RuntimeError(
                         f"the grammar refused token {token}: {_said(self.matcher.get_error())}"
                     )
             fill_next_token_bitmask(self.matcher, self.bitmask, 0)

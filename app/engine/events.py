@@ -6,9 +6,12 @@ and exactly one of `Finished` or `Failed` to end it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger("mlx_cache_server.engine")
 
 
 @dataclass
@@ -82,8 +85,17 @@ Event = Started | Delta | Finished | Failed
 
 
 class GrammarFailed(ValueError):
-    """A request's grammar could not go on: a limit of the grammar engine met mid-reply, or
-    a token it refused. The request's own fault: it ends with that said, the batch goes on."""
+    """A request's grammar could not go on: a limit of the grammar engine met mid-reply.
+    The request's own fault: it ends with that said, the batch goes on."""
+
+
+def log_fault(fault: BaseException) -> None:
+    """Log a request's failed sampling: a grammar's failure is the client's (a warning that
+    a client can cause, never the server's error log)."""
+    if isinstance(fault, GrammarFailed):
+        log.warning("a request's grammar failed: %s", fault)
+    else:
+        log.error("a request's sampling failed: %r", fault)
 
 
 def sampling_failed(fault: BaseException) -> Failed:

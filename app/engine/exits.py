@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .events import Finished, sampling_failed
+from .events import Finished, log_fault, sampling_failed
 from .output import next_output
 from .request import Request
 
@@ -66,7 +66,7 @@ class Exits:
                 self._fail_faulted(self.active.pop(uid))
 
     def _fail_faulted(self, request: Request) -> None:
-        log.error("a request's sampling failed: %r", request.fault)
+        log_fault(request.fault)
         followers, request.followers = request.followers, []
         request.end(sampling_failed(request.fault))
         self.engine.stats.failed += 1

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from prompt_cache.layers import mode_of
 
 from .chunking import StepCosts, chunk_size
-from .events import Finished, Started, sampling_failed
+from .events import Finished, Started, log_fault, sampling_failed
 from .exits import State, deliver, store
 from .last_logits import last_logits
 from .prefill import sample
@@ -162,7 +162,7 @@ class Solo:
             self.engine.fail([request], "Generation failed on the server. Retry.")
             return None
         if request.fault is not None and not request.ended:
-            log.error("a request's sampling failed: %r", request.fault)
+            log_fault(request.fault)
             self._leave(run)
             request.end(sampling_failed(request.fault))
             self.engine.stats.failed += 1

@@ -20,6 +20,7 @@ types: it takes and returns `mx.array`). It needs no preloading.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -124,7 +125,8 @@ def _run(cmd: list[str]) -> str:
         out, err = proc.communicate(timeout=seconds)
     except BaseException as e:
         # Not reaped yet, so its process group is still its own to kill.
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # the group may have ended by itself
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         if isinstance(e, subprocess.TimeoutExpired):
             raise BuildFailed(

@@ -19,7 +19,7 @@ from fastapi import Request
 from pydantic import Field
 
 from ..engine import Delta, Event, Failed, Finished, Started
-from .chat import ChatCompletionsServing, chat_request, request_chars
+from .chat import ChatCompletionsServing, chat_request, check_request_chars
 from .errors import APIError
 from .generation import (
     collect,
@@ -29,11 +29,11 @@ from .generation import (
     until_disconnected,
     with_pauses,
 )
-from .limits import check_model, check_prompt_chars
+from .limits import check_model
 from .schemas import ChatCompletionRequest, TextRequest, ToolCallDelta, _Request
 from .sse import EventStream
 from .template import render
-from .tools import plan_tools
+from .tools import compiles_grammar, plan_tools
 
 ROUTE = "/v1/messages"
 PING_EVERY = 5.0  # seconds without an event before a ping: agents warn of stalls after ~20
@@ -290,10 +290,10 @@ class MessagesServing:
         chat.model = self.served_as(req.model)
         engine = self.chat.engine
         check_model(chat.model, engine, self.chat.aliases)
-        check_prompt_chars(request_chars(chat), engine, "messages")
+        await off_loop(check_request_chars, chat, engine)
         tools = (
             await compiling(plan_tools, chat, engine, param="tools")
-            if chat.tools
+            if compiles_grammar(chat, engine)
             else plan_tools(chat, engine)
         )
         strip = self.chat.settings.strip_attribution_header
@@ -372,7 +372,9 @@ def _on(event: Event | None, run: Any, blocks: _Blocks, mid: str, model: str) ->
         return [*out, _sse("message_stop", {})]
     if isinstance(event, Failed):
         status, _ = failure_status(event)
-        kind = {503: "overloaded_error", 408: "timeout_error"}.get(status, "api_error")
+        kind = {503: "overloaded_error", 408: "timeout_error", 400: "invalid_request_error"}.get(
+            status, "api_error"
+        )
         return [_sse("error", {"error": {"type": kind, "message": event.message}})]
     return []
 

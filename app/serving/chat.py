@@ -25,7 +25,14 @@ from .generation import (
     tracked,
     until_disconnected,
 )
-from .limits import check_model, check_prompt_chars, reserve_slot, sampling_params, text_chars
+from .limits import (
+    check_model,
+    check_prompt_chars,
+    prompt_char_bound,
+    reserve_slot,
+    sampling_params,
+    text_chars,
+)
 from .reasoning import ReasoningSplit, opens_thinking, split_whole, think_tags
 from .schemas import (
     ChatChoice,
@@ -49,6 +56,7 @@ from .template import render_marked
 from .tools import (
     ToolCallText,
     ToolPlan,
+    compiles_grammar,
     forced_call,
     plan_tools,
     tool_call,
@@ -104,19 +112,18 @@ class ChatCompletionsServing(Surface):
                 f"{settings.max_messages}.",
                 param="messages",
             )
-        check_prompt_chars(request_chars(req), engine, "messages")
+        await off_loop(check_request_chars, req, engine)  # a walk of megabytes, maybe
         want_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
         slot = reserve_slot(engine, settings)
         try:
-            # Off the loop, within the request's slot: compiling a client's JSON schema
-            # into a grammar takes what it takes, and must hold up nobody else.
-            # On the grammar threads only what has a grammar to compile: a plain chat never
-            # waits behind another request's costly schema.
+            # Off the loop, within the request's slot, and on the grammar threads only
+            # where there is a grammar to compile: a request without one never waits
+            # behind another's costly schema.
             tools = (
                 await compiling(plan_tools, req, engine, param="tools")
-                if req.tools
+                if compiles_grammar(req, engine)
                 else plan_tools(req, engine)
             )
             grammar = tools.grammar
@@ -329,13 +336,15 @@ def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def request_chars(req: ChatCompletionRequest) -> int:
-    """Characters of what a chat request may have rendered into its prompt: every string of
-    its messages (content, reasoning, tool calls' names and arguments, ids) and of its tools
-    (names, descriptions, schemas, their keys too), and each other value at least one. A
-    template writes at least these, so past the bound on the prompt's characters the
-    request is refused whatever the template does with them."""
-    return text_chars([m.model_dump(exclude_none=True) for m in req.messages], req.tools)
+def check_request_chars(req: ChatCompletionRequest, engine: Engine) -> None:
+    """Refuse, before anything is rendered, a chat request whose text cannot fit the
+    context: every string of its messages (content, reasoning, tool calls' names and
+    arguments, ids) and of its tools (names, descriptions, schemas, their keys too),
+    which a template writes at least once each. The error names the larger of the two."""
+    bound = prompt_char_bound(engine)
+    tools = text_chars(req.tools, stop_after=bound)
+    messages = text_chars(req.messages, stop_after=bound - tools)
+    check_prompt_chars(tools + messages, engine, "tools" if tools > messages else "messages")
 
 
 def _logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:

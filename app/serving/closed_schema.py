@@ -16,7 +16,8 @@ Invariants:
   even empty) and says nothing of any other (`additionalProperties`,
   `unevaluatedProperties`) is closed, unless it requires a property it does not
   name (closed, it would admit nothing). So is the arguments' root when it is an
-  object schema naming none: a function's arguments are the ones it declares.
+  object schema naming none and combining no other (no `allOf`, `anyOf`, `$ref`,
+  ...): a function's arguments are the ones it declares.
 - A nested object schema that names no properties (`{"type": "object"}`) is a
   free-form map: closing it would leave only `{}`, so it stays open.
 - Where schemas that apply to one value together name properties, closing one would
@@ -37,6 +38,8 @@ from .schema_checks import MANY, NAMED, ONE, ref_targets, walk_schema
 
 OPENERS = ("additionalProperties", "unevaluatedProperties")
 BRANCHES = ("anyOf", "oneOf", "then", "else")
+# Keywords through which other schemas apply to the same value as the one holding them.
+COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")
 
 
 def closed(parameters: Any) -> Any:
@@ -75,6 +78,8 @@ def _closable(schema: dict, root: bool) -> bool:
         return False  # it requires a property it does not name: closing would admit nothing
     if _names_properties(schema):
         return True
+    if any(key in schema for key in COMBINED):
+        return False  # its properties may be named by what applies with it: left as written
     kinds = schema.get("type")
     return root and (kinds == "object" or isinstance(kinds, list) and "object" in kinds)
 

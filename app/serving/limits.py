@@ -11,6 +11,8 @@ import threading
 import weakref
 from typing import Any
 
+from pydantic import BaseModel
+
 from ..engine import Engine, SamplingParams
 from ..settings import Settings
 from .defaults import SamplingDefaults
@@ -57,15 +59,21 @@ def reserve_slot(engine: Engine, settings: Settings) -> Slot:
     return Slot(engine)
 
 
-def check_prompt_chars(chars: int, engine: Engine, param: str) -> None:
-    """Refuse, before tokenizing it, a prompt that cannot fit the context whatever its tokens.
+def prompt_char_bound(engine: Engine) -> int:
+    """The most characters a prompt that fits the context can have, whatever its tokens.
 
-    No token stands for more characters than the longest in the vocabulary, so
-    past `context_length` times that many characters the prompt is too long; the
-    factor 2 leaves room for normalizers that fold several characters into one.
-    Tokenizing a body of megabytes takes seconds that this check does not.
+    No token stands for more characters than the longest in the vocabulary, so past
+    `context_length` times that many characters the prompt is too long; the factor 2
+    leaves room for normalizers that fold several characters into one.
     """
-    if chars > 2 * engine.context_length * engine.max_token_chars:
+    return 2 * engine.context_length * engine.max_token_chars
+
+
+def check_prompt_chars(chars: int, engine: Engine, param: str) -> None:
+    """Refuse, before templating or tokenizing it, a prompt that cannot fit the context
+    whatever its tokens (`prompt_char_bound`). Tokenizing a body of megabytes takes
+    seconds that this check does not."""
+    if chars > prompt_char_bound(engine):
         raise APIError(
             400,
             f"This model's maximum context length is {engine.context_length} tokens, and "
@@ -75,22 +83,31 @@ def check_prompt_chars(chars: int, engine: Engine, param: str) -> None:
         )
 
 
-def text_chars(*values: Any) -> int:
-    """Characters of every string in `values` (JSON-like data: dicts, their keys included,
-    lists and scalars), each other scalar counted as its text; walked without recursion,
-    so any nesting is measured."""
+def text_chars(*values: Any, stop_after: int | None = None) -> int:
+    """Characters of `values` written out as text: every string (dicts' keys too) and
+    every other scalar as its JSON, each container its brackets and separators at least,
+    pydantic models by their fields' values. Walked without recursion, so any nesting is
+    measured; past `stop_after` the walk ends, returning what it has counted so far."""
     total, stack = 0, list(values)
     while stack:
         value = stack.pop()
         if isinstance(value, str):
             total += len(value)
         elif isinstance(value, dict):
-            total += sum(len(k) if isinstance(k, str) else 1 for k in value)
+            total += 2 + sum(1 + (len(k) if isinstance(k, str) else 1) for k in value)
             stack.extend(value.values())
         elif isinstance(value, list | tuple):
+            total += 2 + len(value)
             stack.extend(value)
-        elif value is not None:
-            total += len(str(value)) if isinstance(value, int | float) else 1
+        elif isinstance(value, BaseModel):
+            stack.extend(value.__dict__.values())
+            stack.append(value.__pydantic_extra__)
+        elif value is None:
+            total += 4
+        else:
+            total += len(str(value))
+        if stop_after is not None and total > stop_after:
+            break
     return total
 
 

@@ -64,7 +64,7 @@ class ResponsesServing:
             conversation = [*earlier, *conversation]
         whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
         # Custom tools' grammars are read and checked in the translation: grammar work.
-        translate = compiling if req.tools else off_loop
+        translate = compiling if _grammars_in(req.tools) else off_loop
         chat, offered = await translate(to_chat, whole)
         run = await self.chat.start(chat, tenant, route=ROUTE)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
@@ -360,3 +360,12 @@ class _Response:
                                       arguments=item["arguments"]))  # fmt: skip
             out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
+
+
+def _grammars_in(tools: list[dict[str, Any]] | None) -> bool:
+    """Whether any of the tools is a custom tool with a grammar to read."""
+    return any(
+        isinstance(t, dict) and isinstance(t.get("format"), dict)
+        and t["format"].get("type") == "grammar"
+        for t in tools or []
+    )  # fmt: skip

@@ -25,7 +25,7 @@ from ..engine.constraint import on_deep_stack
 from .chat import chat_request
 from .errors import APIError
 from .lark_regex import NotRegular, lark_to_regex
-from .schema_checks import pattern_problem
+from .schema_costs import pattern_problem
 from .schemas import ChatCompletionRequest, TextRequest
 
 # A custom (free-form) tool is offered to the model as a function of one string, since

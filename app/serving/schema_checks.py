@@ -8,9 +8,9 @@ own recursion limit is measured as safely), and refused with a 400 that names
 the bound it passes. The compiler then runs on a thread with a stack sized for
 these bounds with a wide margin (`engine.constraint.DEEP_STACK`).
 
-Also refused: what would make each token's mask costly, computed as it is inside
-the batch's shared step (long literals and patterns, many optional properties,
-counted repetitions that multiply), and a schema whose root admits no finite
+Also refused: what would make each token's mask costly or fail mid-reply
+(`schema_costs`: long literals and patterns, counted repetitions that multiply,
+many optional properties open at once), and a schema whose root admits no finite
 value (a definition that only refers to itself, an object that requires a
 property of its own type), which would otherwise pass the compiler and fail at
 the first sampled tokens.
@@ -29,13 +29,12 @@ Invariants:
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
 from .errors import APIError
+from .schema_costs import check_choices, check_literals
 
 # Bounds, in schema levels and objects. bench/schema_bounds.py bisects the levels each
 # construct takes to overflow a default 8 MiB stack; these stay far below the least of them.
@@ -43,13 +42,6 @@ MAX_DEPTH = 128  # schema levels along any path, `$ref`s followed
 MAX_NESTING = 120  # JSON levels of the document: llguidance reads at most 128, its wrapper takes 5
 MAX_NODES = 10_000  # subschemas (objects and booleans) in the document
 MAX_PASSES = 64  # of the finite-value fixpoint; one unsettled by then is left to the compiler
-# Bounds on what makes each generated token's mask cost more: the compiler accepts far
-# larger, and then the request's every step, computed inside the batch's shared step,
-# holds up every other stream (or the compiler gives up at the second token).
-MAX_LITERAL_CHARS = 10_000  # one `const`, `enum` value or `pattern`, as JSON text
-MAX_LITERALS_CHARS = 100_000  # all of a document's `const`s, `enum`s and `pattern`s
-MAX_OPTIONAL_PROPERTIES = 256  # one object's properties it does not require
-MAX_REPEAT = 10_000  # a pattern's counted repetitions ({n}), nested ones multiplied
 
 # Keywords whose value is one schema, a list of schemas, or a name -> schema mapping.
 ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else",
@@ -66,8 +58,9 @@ def check_schema(schema: Any, param: str) -> None:
         raise APIError(400, f"'{param}' must be a JSON schema (an object).", param=param)
     _check_nesting(schema, param)
     graph = _graph(schema, param)
-    _check_sizes(graph, param)
+    check_literals(graph.nodes.values(), param)
     depth, order = _depth(schema, graph)
+    check_choices(graph.nodes, graph.refs, order, param)
     if depth > MAX_DEPTH:
         raise APIError(
             400,
@@ -103,111 +96,6 @@ def _check_nesting(doc: Any, param: str) -> None:
         children = value.values() if isinstance(value, dict) else value
         if isinstance(value, dict | list):
             stack.extend((child, level + 1) for child in children if isinstance(child, dict | list))
-
-
-def _check_sizes(graph: _Graph, param: str) -> None:
-    """Refuse a schema whose literals, patterns or optional properties pass their bounds."""
-    total = 0
-    for node in graph.nodes.values():
-        literals = [node["const"]] if "const" in node else []
-        literals += node["enum"] if isinstance(node.get("enum"), list) else []
-        for value in literals:
-            size = len(json.dumps(value, ensure_ascii=False))
-            total += size
-            if size > MAX_LITERAL_CHARS:
-                _too_large(param, f"a const or enum value of {size} characters, over "
-                                  f"{MAX_LITERAL_CHARS}")  # fmt: skip
-        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-        if isinstance(node.get("patternProperties"), dict):
-            patterns += list(node["patternProperties"])
-        for pattern in patterns:
-            total += len(pattern)
-            problem = pattern_problem(pattern)
-            if problem:
-                _too_large(param, problem)
-        if total > MAX_LITERALS_CHARS:
-            _too_large(param, f"consts, enums and patterns over {MAX_LITERALS_CHARS} characters")
-        if isinstance(node.get("properties"), dict):
-            required = node.get("required") if isinstance(node.get("required"), list) else []
-            optional = len(set(node["properties"]) - set(r for r in required if isinstance(r, str)))
-            if optional > MAX_OPTIONAL_PROPERTIES:
-                _too_large(param, f"an object with {optional} optional properties, over "
-                                  f"{MAX_OPTIONAL_PROPERTIES}")  # fmt: skip
-
-
-def _too_large(param: str, what: str) -> None:
-    raise APIError(
-        400,
-        f"The JSON schema in '{param}' has {what}, this server's limit.",
-        param=param,
-        code="schema_too_large",
-    )
-
-
-_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
-
-
-def pattern_problem(pattern: str) -> str | None:
-    """What makes a regular expression (Rust's dialect) too costly to enforce, or None: its
-    length, or its counted repetitions, nested ones multiplied (`(a{1000}){1000}` is a
-    million). Unbounded ones (`*`, `+`, `{n,}` past n) are loops, which cost nothing."""
-    if len(pattern) > MAX_LITERAL_CHARS:
-        return f"a pattern of {len(pattern)} characters, over {MAX_LITERAL_CHARS}"
-    repeats = _repeats(pattern)
-    if repeats > MAX_REPEAT:
-        return f"a pattern that repeats {repeats} times, over {MAX_REPEAT}"
-    return None
-
-
-def _repeats(pattern: str) -> int:
-    """The largest product of nested counted repetitions in `pattern`."""
-    groups = [1]  # for each open group, the largest count inside it so far
-    last, at = 1, 0  # what the atom just read carries: a group's, what is inside it
-    while at < len(pattern):
-        c = pattern[at]
-        count = _COUNT.match(pattern, at) if c == "{" else None
-        if count is not None:
-            digits = [d for d in count.groups() if d]
-            n = max(int(d) if len(d) < 10 else 10**10 for d in digits)
-            last *= max(n, 1)
-            groups[-1] = max(groups[-1], last)
-            at = count.end()
-            continue
-        if c == "(":
-            groups.append(1)
-        elif c == ")" and len(groups) > 1:
-            last = groups.pop()
-            groups[-1] = max(groups[-1], last)
-            at += 1
-            continue
-        elif c == "[":
-            at = _class_end(pattern, at)
-        elif c == "\\":
-            at += 1
-        last = 1
-        at += 1
-    return max(groups)
-
-
-def _class_end(pattern: str, at: int) -> int:
-    """Where the character class opening at `at` ends (its `]`), nested classes included."""
-    depth, at = 0, at
-    while at < len(pattern):
-        c = pattern[at]
-        if c == "\\":
-            at += 2
-            continue
-        if c == "[":
-            depth += 1
-            if pattern.startswith("]", at + 1) or pattern.startswith("^]", at + 1):
-                at += 2 if pattern[at + 1] == "]" else 3  # a leading ']' is a member
-                continue
-        elif c == "]":
-            depth -= 1
-            if depth == 0:
-                return at
-        at += 1
-    return at
 
 
 def walk_schema(schema: Any) -> Iterator[dict]:

@@ -101,6 +101,16 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
                     prompted=tools)  # fmt: skip
 
 
+def compiles_grammar(req: ChatCompletionRequest, engine: Engine) -> bool:
+    """Whether `plan_tools` compiles a grammar for the request: a forced call, or `auto`
+    under the server's own protocol (a template that knows no tools). A tool-aware
+    template's `auto` and `none` compile nothing."""
+    if not req.tools or req.tool_choice == "none":
+        return False
+    templated = bool(getattr(engine.tokenizer, "has_tool_calling", False))
+    return not templated or req.tool_choice not in (None, "auto")
+
+
 def _json_between_markers(tokenizer: Any) -> bool:
     """Whether the model's calls are {"name", "arguments"} JSON between its markers."""
     parser = getattr(tokenizer, "tool_parser", None)

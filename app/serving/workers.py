@@ -9,12 +9,12 @@ template, and neither takes the threads other parts of the server use.
 Invariants:
 - At most `workers` threads of a pool run at once; what is submitted past that
   waits in the pool's queue.
-- Each piece of work has a time budget, counted from its submission. Work still
-  queued when its budget runs out is dropped and the request gets a 503 (the
-  server was busy, retry); work that ran past it gets a 400 naming what was too
-  costly. A thread cannot be stopped: work past its budget runs to its end, so
-  the bounds checked before it (the prompt's size, a schema's limits) are what
-  keep it short.
+- Each piece of work has a time budget to wait for a thread and another to run.
+  Work still queued when the first runs out is dropped and the request gets a 503
+  (the server is busy: retry); work that runs past the second gets a 400 naming
+  what was too costly. A thread cannot be stopped: work past its budget runs to
+  its end, so the bounds checked before it (the prompt's size, a schema's
+  limits) are what keep it short.
 """
 
 from __future__ import annotations
@@ -49,32 +49,44 @@ class Pool:
 
     async def run(self, fn: Callable[..., T], *args: Any, param: str | None = None) -> T:
         """`fn(*args)` on one of the pool's threads; what it returns or raises, or an
-        APIError once the budget is spent (503 if it never started, 400 if it ran)."""
-        started = threading.Event()
+        APIError: a 503 if it waited a whole budget for a thread (the server is busy),
+        a 400 if it ran a whole budget (the request asks too much)."""
+        loop = asyncio.get_running_loop()
+        began: list[float] = []
 
         def work() -> T:
-            started.set()
+            began.append(loop.time())
             return fn(*args)
 
         future = self._pool().submit(work)
+        done = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.budget)
-        except TimeoutError:
+            # asyncio.wait, not wait_for: a cancellation that comes as the work ends is
+            # never swallowed (the request's generation would run on for a gone client).
+            await asyncio.wait({done}, timeout=self.budget)
+            if not done.done() and began:
+                ran = loop.time() - began[0]
+                await asyncio.wait({done}, timeout=max(self.budget - ran, 0))
+        except asyncio.CancelledError:
             future.cancel()  # dropped if still queued; a running one goes on to its end
-            if not started.is_set():
-                raise APIError(
-                    503,
-                    f"The server is busy {self.what} for other requests. Retry shortly.",
-                    type="service_unavailable",
-                    code="server_busy",
-                    headers={"Retry-After": "1"},
-                ) from None
+            raise
+        if done.done():
+            return done.result()
+        future.cancel()
+        if not began:
             raise APIError(
-                400,
-                f"This request took over {self.budget:g} s {self.what}; make it simpler.",
-                param=param,
-                code="request_too_complex",
-            ) from None
+                503,
+                f"The server is busy {self.what} for other requests. Retry shortly.",
+                type="service_unavailable",
+                code="server_busy",
+                headers={"Retry-After": "1"},
+            )
+        raise APIError(
+            400,
+            f"This request took over {self.budget:g} s {self.what}; make it simpler.",
+            param=param,
+            code="request_too_complex",
+        )
 
 
 # Templates and tokenizers: every request's prompt passes here, bounded by its size.

@@ -7,6 +7,8 @@ request is answered, and `/health` stays up."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import threading
 
 import anthropic
 import httpx
@@ -151,3 +153,48 @@ def test_a_custom_grammar_that_cannot_be_held_is_left_free_and_answered(own_serv
     )
     assert out.status in ("completed", "incomplete")
     assert proc.poll() is None
+
+
+def test_a_plain_chat_is_answered_while_grammars_hold_every_grammar_thread(server, monkeypatch):
+    """Requests whose grammars take long to compile fill the grammar threads and queue
+    behind them; a chat without a grammar is answered meanwhile (an ordering check: it
+    ends while they are all still held), and they are answered once let go. There are
+    more of them than asyncio's default pool has threads, which they used to share with
+    every chat's templating."""
+    from app.serving import chat as chat_module
+    from app.serving.workers import GRAMMARS
+    from tests.helpers import wait_until
+
+    release, entered = threading.Event(), []
+    compile_format = chat_module.response_format_grammar
+
+    def held(response_format):
+        entered.append(response_format)
+        release.wait(60)
+        return compile_format(response_format)
+
+    monkeypatch.setattr(chat_module, "response_format_grammar", held)
+    client = oai(server.url)
+    fmt = {"type": "json_object"}
+    count = min(32, (os.cpu_count() or 1) + 4) + 1
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        grammars = [
+            pool.submit(
+                client.chat.completions.create,
+                model="tiny",
+                messages=ASK,
+                max_tokens=4,
+                response_format=fmt,
+            )
+            for _ in range(count)
+        ]
+        try:
+            wait_until(lambda: len(entered) == GRAMMARS.workers)
+            plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8)
+            assert plain.choices[0].finish_reason in ("stop", "length")
+            assert not any(f.done() for f in grammars)
+        finally:
+            release.set()
+        for f in grammars:
+            assert f.result(timeout=300).choices[0].finish_reason in ("stop", "length")
+    assert len(entered) == count

@@ -120,3 +120,27 @@ def test_a_union_of_objects_closes_each_and_required_only_rules_close_the_object
 def test_an_object_that_requires_what_it_does_not_name_is_left_open():
     assert "additionalProperties" not in closed({"type": "object", "required": ["q"]})
     assert forced_call_grammar([tool({"type": "object", "required": ["q"]})])
+
+
+A = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+B = {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}
+
+
+@pytest.mark.parametrize(
+    "parameters, call",
+    [
+        ({"type": "object", "anyOf": [A, B]}, '{"b":"x"}'),
+        ({"type": "object", "oneOf": [A, B]}, '{"a":"x"}'),
+        ({"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}}]}, '{"a":"x"}'),
+        ({"type": "object", "$defs": {"args": A}, "$ref": "#/$defs/args"}, '{"a":"x"}'),
+        ({"type": "object", "if": {"required": ["a"]}, "then": A, "else": B}, '{"b":"x"}'),
+    ],
+    ids=["anyOf", "oneOf", "allOf", "$ref", "if-then-else"],
+)
+def test_a_root_that_names_its_properties_through_others_takes_them(tokenizer, parameters, call):
+    """A root `{"type": "object"}` whose properties other schemas name: closed by itself,
+    it would admit only {} (and an anyOf of required properties, nothing)."""
+    assert "additionalProperties" not in closed(parameters)
+    run = Driver(tokenizer, forced_call_grammar([tool(parameters)]))
+    run.write('{"name":"get_weather","arguments":' + call + "}")
+    assert run.allowed == {0}

@@ -10,15 +10,15 @@ import threading
 import pytest
 
 from app.engine.events import Failed, GrammarFailed, sampling_failed
-from app.serving.chat import request_chars
+from app.serving.chat import check_request_chars
 from app.serving.errors import APIError
 from app.serving.generation import failure_status
 from app.serving.limits import text_chars
-from app.serving.schema_checks import (
+from app.serving.schema_checks import check_schema
+from app.serving.schema_costs import (
     MAX_LITERAL_CHARS,
     MAX_OPTIONAL_PROPERTIES,
     MAX_REPEAT,
-    check_schema,
     pattern_problem,
 )
 from app.serving.schemas import ChatCompletionRequest
@@ -37,32 +37,68 @@ def test_text_chars_counts_every_string_keys_included_at_any_depth():
     deep: dict = {"k": "abc"}
     for _ in range(5_000):  # past Python's recursion limit
         deep = {"k": deep}
-    assert text_chars(deep) == 1 * 5_001 + 3
-    # A number as its digits, True as its name, None as nothing.
-    assert text_chars([1234, None, True, "ab"], {"xy": [0.5]}) == 4 + 0 + 4 + 2 + 2 + 3
+    assert text_chars(deep) == 5_001 * (2 + 1 + 1) + 3  # braces, a separator, the key
+    # A number as its digits, True as its name, None as null, a list its brackets and
+    # separators: what JSON (or a template's tojson) writes at least.
+    assert text_chars([1234, None, True, "ab"]) == 2 + 4 + 4 + 4 + 4 + 2
+    assert text_chars([[]] * 1_000) == 2 + 1_000 + 2 * 1_000
+
+
+def test_text_chars_stops_once_past_its_bound():
+    # The list's own brackets and separators, and none of its 6,000,000 characters.
+    assert text_chars(["x" * 60] * 100_000, stop_after=100) == 2 + 100_000
+
+
+class Engine:
+    """What the size check reads of an engine: a context of 1,000 tokens of at most 10
+    characters, so at most 20,000 characters."""
+
+    context_length, max_token_chars = 1_000, 10
+
+
+def size_error(req: ChatCompletionRequest) -> APIError | None:
+    try:
+        check_request_chars(req, Engine())
+    except APIError as e:
+        return e
+    return None
 
 
 @pytest.mark.parametrize(
-    "fields",
+    "fields, param",
     [
-        {"tools": [{"type": "function", "function": {"name": "f", "description": BIG}}]},
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": BIG}}]},
+         "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "string", "description": BIG}}}}}]},
-        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {f"p{i}": {} for i in range(20_000)}}}}]},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+         "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {f"p{i}": {} for i in range(20_000)}}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "x": [[]] * 50_000}}}]}, "tools"),  # nothing but brackets
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "x": [None] * 50_000}}}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": BIG}}]}]},
-        {"messages": [{"role": "assistant", "content": "", "reasoning_content": BIG}]},
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": BIG}]}]},
+         "messages"),
+        ({"messages": [{"role": "assistant", "content": "", "reasoning_content": BIG}]},
+         "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": BIG}]}]},
+         "messages"),
     ],
-    ids=["description", "schema", "property names", "tool_calls", "reasoning", "parts"],
+    ids=["description", "schema", "property names", "empty lists", "nulls", "tool_calls",
+         "reasoning", "parts"],
 )  # fmt: skip
-def test_text_a_template_renders_counts_toward_the_prompt_size(fields):
-    assert request_chars(chat(**fields)) >= 100_000
+def test_text_a_template_renders_counts_toward_the_prompt_size(fields, param):
+    error = size_error(chat(**fields))
+    assert error is not None and error.status == 400, fields
+    assert error.code == "context_length_exceeded" and error.param == param
 
 
-def test_a_plain_request_counts_about_its_text():
-    assert request_chars(chat()) < 20
+def test_a_request_within_the_bound_passes():
+    assert size_error(chat()) is None
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 15_000}}]
+    assert size_error(chat(tools=tools)) is None
 
 
 @pytest.mark.parametrize(
@@ -75,9 +111,24 @@ def test_a_plain_request_counts_about_its_text():
         {"type": "string", "pattern": "(a{1000}){1000}"},
         {"type": "object", "patternProperties": {"^(ab{200}){200}$": {}}},
         {"type": "object", "properties": {f"p{i}": {} for i in range(MAX_OPTIONAL_PROPERTIES + 1)}},
+        {"anyOf": [{"type": "object", "properties": {f"p{i}": {} for i in range(130)}}] * 2},
+        {"anyOf": [{"anyOf": [{"properties": {f"p{i}": {} for i in range(65)}}] * 2}] * 2},
+        {"type": "string", "pattern": "(?x) ^ a{ 1000000 } $"},
         {"$defs": {"big": {"const": "y" * (MAX_LITERAL_CHARS + 1)}}, "$ref": "#/$defs/big"},
     ],
-    ids=["const", "enum", "total", "count", "nested counts", "pattern key", "optional", "ref"],
+    ids=[
+        "const",
+        "enum",
+        "total",
+        "count",
+        "nested counts",
+        "pattern key",
+        "optional",
+        "union",
+        "nested unions",
+        "spaced count",
+        "ref",
+    ],  # fmt: skip
 )
 def test_what_makes_each_mask_costly_is_refused_before_compiling(schema):
     with pytest.raises(APIError) as refused:
