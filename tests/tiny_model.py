@@ -99,26 +99,14 @@ def build_tokenizer(special: list[str] = SPECIAL) -> Tokenizer:
     return tok
 
 
-def build_tiny_model(
+def write_tokenizer(
     path: Path,
-    seed: int = 0,
-    chat_template: str = CHATML,
-    thinking: bool = False,
-    **config: int,
-) -> Path:
-    """Write the model folder to `path` (created) and return it; `config` overrides CONFIG.
-    `thinking`: `<think>` and `</think>` are special tokens too, as in Qwen3's vocabulary."""
-    path.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(seed)
-    special = SPECIAL + (THINK if thinking else [])
-    config = {**CONFIG, "vocab_size": len(CHARS) + 1 + len(special), **config}
-    # qwen2 for a model mlx-lm can split by layers as well as by heads (`--pipeline`).
-    arch = qwen2 if config["model_type"] == "qwen2" else llama
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    # Larger than default init so logits are far from ties and outputs vary.
-    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config))
+    special: list[str],
+    chat_template: str,
+    named: dict[str, str | None] | None = None,
+    max_length: int = CONFIG["max_position_embeddings"],
+) -> None:
+    """The tokenizer's files in `path`: `build_tokenizer(special)` and its settings."""
     build_tokenizer(special).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -127,12 +115,40 @@ def build_tiny_model(
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
+                **(named or {}),
                 "unk_token": UNK,
                 "chat_template": chat_template,
-                "model_max_length": config["max_position_embeddings"],
+                "model_max_length": max_length,
             }
         )
     )
+
+
+def build_tiny_model(
+    path: Path,
+    seed: int = 0,
+    chat_template: str = CHATML,
+    thinking: bool = False,
+    special: list[str] | None = None,
+    named: dict[str, str | None] | None = None,
+    **config: int,
+) -> Path:
+    """Write the model folder to `path` (created) and return it; `config` overrides CONFIG.
+    `thinking`: `<think>` and `</think>` are special tokens too, as in Qwen3's vocabulary.
+    `special` replaces the ChatML special tokens (a real template's own), and `named` sets
+    the tokenizer's `bos_token`, `eos_token` and `pad_token` among them."""
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    special = (SPECIAL if special is None else special) + (THINK if thinking else [])
+    config = {**CONFIG, "vocab_size": len(CHARS) + 1 + len(special), **config}
+    # qwen2 for a model mlx-lm can split by layers as well as by heads (`--pipeline`).
+    arch = qwen2 if config["model_type"] == "qwen2" else llama
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    # Larger than default init so logits are far from ties and outputs vary.
+    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    write_tokenizer(path, special, chat_template, named, config["max_position_embeddings"])
     return path
 
 
