@@ -12,15 +12,20 @@ messages rendered without what follows them, and what that shares with the promp
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from jinja2.exceptions import TemplateError
 
 from prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
-from . import attribution, prompted_tools
+from . import attribution, call_history, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
+
+log = logging.getLogger(__name__)
 
 
 def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
@@ -76,21 +81,89 @@ def render_marked(
         messages = attribution.strip_attribution(messages)
     if not tools.templated:
         messages = prompted_tools.history(messages, tools.prompted or [])
+    else:
+        messages = templated_history(engine.tokenizer, messages)
     kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": True}
     if tools.tools:
         kwargs["tools"] = tools.tools
-    try:
-        tokens = list(engine.tokenizer.apply_chat_template(messages, **kwargs))
-    except Exception as e:  # the model's own template refused these messages
-        raise APIError(
-            400, f"The chat template rejected the messages: {e}", param="messages"
-        ) from e
+    tokens = apply_template(engine.tokenizer, messages, kwargs)
     # A forced call in the model's own markup: its opening marker is already written.
     tokens += engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
     marks = ()
     if engine.cache is not None and engine.cache_mode == "checkpointed":
         marks = message_ends(engine.tokenizer, messages, kwargs, tokens)
     return tokens, marks
+
+
+def templated_history(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Past calls as a tool-aware template can render them (`call_history`)."""
+    if call_history.needs_short_ids(tokenizer):
+        messages = call_history.with_short_ids(messages)
+    if call_history.drops_calls(tokenizer):
+        messages = call_history.with_calls_in_content(messages, tokenizer)
+    return messages
+
+
+def apply_template(
+    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]
+) -> list[int]:
+    """The messages through the template; a 400 only where the client's input is at fault.
+
+    A template's own `raise_exception` states a rule of the model's (roles that
+    alternate, say): the client broke it, and the 400 says so in the template's words.
+    Any other exception is the template failing on input the API allows: it is retried
+    as the template can take it (tools it iterates unconditionally, as Hermes 3's does),
+    or the client is told which field the template could not use (arguments that are
+    no JSON object, for a template that iterates them), or, as a last resort, the
+    history is rendered in the server's own tool protocol, and the reason logged."""
+    try:
+        return list(tokenizer.apply_chat_template(messages, **kwargs))
+    except TemplateError as e:
+        if type(e) is TemplateError:  # raise_exception: the template's own rule
+            raise APIError(
+                400, f"The chat template rejected the messages: {e}", param="messages"
+            ) from e
+        error: Exception = e
+    except Exception as e:
+        error = e
+    if "tools" not in kwargs:
+        try:
+            tokens = list(tokenizer.apply_chat_template(messages, **kwargs, tools=[]))
+        except Exception:
+            pass
+        else:
+            kwargs["tools"] = []  # for `message_ends`, which renders the same way
+            return tokens
+    bad = _non_object_arguments(messages)
+    if bad is not None:
+        raise APIError(
+            400,
+            "This model's chat template needs tool call arguments as a JSON object; "
+            f"got {bad[1]!r}.",
+            param=bad[0],
+        ) from error
+    log.warning(
+        "The chat template failed on valid messages (%s: %s); rendering their tool calls "
+        "in the server's own protocol instead.", type(error).__name__, error,
+    )  # fmt: skip
+    plain = prompted_tools.history(messages, [])
+    try:
+        return list(tokenizer.apply_chat_template(plain, **kwargs))
+    except Exception as e:
+        raise APIError(
+            400, f"This model's chat template cannot render these messages: {e}",
+            param="messages",
+        ) from e  # fmt: skip
+
+
+def _non_object_arguments(messages: list[dict[str, Any]]) -> tuple[str, Any] | None:
+    """The first call whose arguments are no object, as (its field, its arguments)."""
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.get("tool_calls") or []):
+            arguments = (call.get("function") or {}).get("arguments")
+            if not isinstance(arguments, dict):
+                return f"messages[{i}].tool_calls[{j}].function.arguments", arguments
+    return None
 
 
 def message_ends(

@@ -123,7 +123,9 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for call in calls:
         function = dict(call.get("function") or {})
         arguments = function.get("arguments")
-        if isinstance(arguments, str):
+        if isinstance(arguments, str) and not arguments.strip():
+            function["arguments"] = {}  # a call without arguments, as some clients send it
+        elif isinstance(arguments, str):
             try:
                 function["arguments"] = json.loads(arguments)
             except ValueError:
