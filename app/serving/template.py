@@ -8,6 +8,10 @@ and the end of the last message, before the generation prompt, is where the next
 leaves this one when the template writes a reply back otherwise than it was
 generated (without its thinking, say). Each is found as mlx_lm.server finds it: the
 messages rendered without what follows them, and what that shares with the prompt.
+
+Past tool calls reach a tool-aware template as it can render them (`call_history`: ids in
+its form, calls it would drop written into the content). A template's exception is a 400
+only where the client's input is at fault, and says what; `apply_template` says how.
 """
 
 from __future__ import annotations
