@@ -6,6 +6,7 @@ mlx-lm's own parser reads the call back from it."""
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,3 +121,34 @@ def test_the_prompt_ends_where_the_template_writes_the_call_back(path):
     back before a call, the forced call's prompt is the write-back, not that block."""
     form, prompt, _ = generated(path, [WEATHER], "get_weather", ARGUMENTS)
     assert prompt.endswith(form.prefix)
+
+
+def test_the_server_forces_and_reads_a_call_in_qwen3_coder_markup(tokenizer):
+    """plan_tools picks the model's format by its parser, and the reply reads the call."""
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    from app.serving.chat import Reply
+    from app.serving.schemas import ChatCompletionRequest
+    from app.serving.tools import plan_tools
+
+    hf = tokenizer[0]
+    wrapped = SimpleNamespace(
+        has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
+        tool_call_start="<tool_call>", tool_call_end="</tool_call>", encode=hf.encode,
+    )  # fmt: skip
+    engine = SimpleNamespace(tokenizer=wrapped)
+    req = ChatCompletionRequest(model="m", messages=USER, tools=[WEATHER], tool_choice="required")
+    plan = plan_tools(req, engine)
+    assert plan.prefix == "<tool_call>\n" and plan.form is call_markup.QWEN3_CODER
+    text = (
+        "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"
+    )
+    Driver(tokenizer, plan.grammar).write(text)
+    content, calls = Reply(engine, req, plan).whole(text)
+    assert content is None and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == ARGUMENTS
+    reply = Reply(engine, req, plan)
+    assert reply.feed(text) == ("", [])
+    content, deltas = reply.finish()
+    assert content == "" and json.loads(deltas[0].function.arguments) == ARGUMENTS
