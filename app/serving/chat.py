@@ -208,7 +208,8 @@ class Reply:
     """A reply's text split into content and tool calls, as the request's tools ask.
 
     Streaming, a forced call goes out as OpenAI's deltas do: its id and name as
-    soon as the name is generated, then its arguments as they come.
+    soon as the name is generated, then its arguments as they come; one in a model's
+    own markup other than JSON (`call_markup`) goes out whole when it is.
     """
 
     def __init__(
@@ -228,6 +229,7 @@ class Reply:
         prompted = tools.prompted is not None
         self.text = ToolCallText(engine, req.tools or [], prompted) if shown else None
         self.keep = tools.mode == "auto"
+        self.read = tools.read  # a forced call in markup other than JSON: read when whole
         self.forced = ""  # a forced call's JSON so far: {"name":"...","arguments":{...}}
         self.call: ToolCall | None = None  # the forced call, once its name is known
         self.sent = 0  # how much of `forced` has gone out as argument fragments
@@ -277,6 +279,9 @@ class Reply:
         return content, self._whole(calls if self.keep else [])
 
     def _finish_answer(self) -> tuple[str, list[ToolCallDelta]]:
+        if self.mode == "forced" and self.read is not None:
+            calls = self.read(self.forced)
+            return ("" if calls else self.forced), self._whole(calls)
         if self.mode == "forced":
             if not forced_call(self.forced):  # cut off (max_tokens): what there is, as text
                 return ("" if self.call else self.forced), []
@@ -288,7 +293,7 @@ class Reply:
 
     def _whole_answer(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "forced":
-            calls = forced_call(text)
+            calls = self.read(text) if self.read is not None else forced_call(text)
             return (None if calls else text), calls
         if self.text is None:
             return text, []
@@ -299,6 +304,8 @@ class Reply:
 
     def _forced(self, text: str) -> list[ToolCallDelta]:
         self.forced += text
+        if self.read is not None:  # markup: the call goes out whole, at the end
+            return []
         out = []
         if self.call is None:
             head = _CALL_HEAD.match(self.forced)

@@ -24,7 +24,7 @@ from jinja2.exceptions import TemplateError
 from prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
-from . import attribution, call_history, prompted_tools
+from . import attribution, call_history, call_markup, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
@@ -91,8 +91,13 @@ def render_marked(
     if tools.tools:
         kwargs["tools"] = tools.tools
     tokens = apply_template(engine.tokenizer, messages, kwargs)
-    # A forced call in the model's own markup: its opening marker is already written.
-    tokens += engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
+    # A forced call in the model's own markup: the prompt is the template's write-back
+    # of a call turn, its opening marker already written (`call_markup.prompt_text`).
+    written = forced_prompt(engine.tokenizer, messages, kwargs, tools)
+    if written is not None:
+        tokens = engine.tokenizer.encode(written, add_special_tokens=False)
+    else:
+        tokens += engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
     marks = ()
     if engine.cache is not None and engine.cache_mode == "checkpointed":
         marks = message_ends(engine.tokenizer, messages, kwargs, tokens)
@@ -168,6 +173,20 @@ def _non_object_arguments(messages: list[dict[str, Any]]) -> tuple[str, Any] | N
             if not isinstance(arguments, dict):
                 return f"messages[{i}].tool_calls[{j}].function.arguments", arguments
     return None
+
+
+def forced_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], tools: ToolPlan
+) -> str | None:
+    """A forced call's prompt text where its format has one, else None."""
+    if tools.form is None or not tools.tools:
+        return None
+
+    def text(head: list[dict[str, Any]], generation_prompt: bool) -> str:
+        opts = {**kwargs, "add_generation_prompt": generation_prompt, "tokenize": False}
+        return tokenizer.apply_chat_template(head, **opts)
+
+    return call_markup.prompt_text(text, messages, tools.tools, tools.form)
 
 
 def message_ends(

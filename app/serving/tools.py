@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine import Engine
 from ..engine.text import overlap
-from . import prompted_tools
+from . import call_markup, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
-from .structured import TEMPLATE_JSON, forced_call_grammar
+from .structured import checked, forced_call_grammar
 
 
 @dataclass
@@ -31,6 +32,9 @@ class ToolPlan:
     templated: bool = True  # the chat template renders tools and tool calls itself
     prefix: str = ""  # forced: text the reply starts with, written into the prompt
     prompted: list[dict[str, Any]] | None = None  # tools described by `prompted_tools`
+    form: call_markup.CallFormat | None = None  # forced: the model's own call markup
+    # forced, in markup other than JSON: the whole call's text -> the call (else JSON)
+    read: Callable[[str], list[ToolCall]] | None = None
 
     @property
     def lazy(self) -> bool:
@@ -90,10 +94,16 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
         raise APIError(
             400, "A forced tool call and response_format cannot be combined.", param="tool_choice"
         )
-    if templated and _json_between_markers(engine.tokenizer):
-        start = engine.tokenizer.tool_call_start + "\n"
-        grammar = forced_call_grammar(chosen, TEMPLATE_JSON)
-        return ToolPlan("forced", shown, grammar, templated=True, prefix=start)
+    form = call_markup.call_format(engine.tokenizer) if templated else None
+    if form is not None:  # the call in the model's own markup, as its template writes it
+        marker = call_markup.token_marker(engine.tokenizer)
+        grammar = checked(form.grammar(chosen, marker), "tools", strict=False)
+        read = (
+            None
+            if isinstance(form, call_markup.JsonBetweenMarkers)
+            else _reader(form, engine, tools)
+        )
+        return ToolPlan("forced", shown, grammar, prefix=form.prefix, form=form, read=read)
     if templated:
         return ToolPlan("forced", shown, forced_call_grammar(chosen))
     grammar = forced_call_grammar(chosen)
@@ -111,10 +121,20 @@ def compiles_grammar(req: ChatCompletionRequest, engine: Engine) -> bool:
     return not templated or req.tool_choice not in (None, "auto")
 
 
-def _json_between_markers(tokenizer: Any) -> bool:
-    """Whether the model's calls are {"name", "arguments"} JSON between its markers."""
-    parser = getattr(tokenizer, "tool_parser", None)
-    return getattr(parser, "__module__", "").endswith("tool_parsers.json_tools")
+def _reader(
+    form: call_markup.CallFormat, engine: Engine, tools: list[dict[str, Any]]
+) -> Callable[[str], list[ToolCall]]:
+    """A forced call's text in `form` read by the model's own parser; [] if it is none
+    (cut off by max_tokens)."""
+    text = ToolCallText(engine, tools)
+
+    def read(generated: str) -> list[ToolCall]:
+        body = generated.removesuffix(form.end) if form.writes_end else generated
+        if form.writes_end and body == generated:
+            return []  # the grammar did not reach the call's end
+        return text._parse(body) or []
+
+    return read
 
 
 def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

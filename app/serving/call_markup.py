@@ -1,0 +1,255 @@
+"""A forced tool call in the model's own markup: one small description per call format.
+
+A forced call (`tool_choice` "required" or a named function) is generated under a
+grammar. Written as bare JSON, it forces a model out of the markup it was trained
+on, and its template writes the call back in that markup next turn, so the next
+request reuses none of it. Each format here answers the same small protocol:
+
+- `start`: the opening marker; `prefix`: what the prompt ends with (the marker and
+  what the template writes right after it);
+- `end`: what closes a call (stripped before the model's own parser reads it);
+- `grammar(tools, marker)`: a Lark grammar (llguidance's) for the rest of one call
+  of one of `tools`, exactly as the template writes it back, its arguments held to
+  the tool's schema (closed, as `closed_schema` reads it). `marker(text)` is the
+  grammar's spelling of a marker (a special token where the model has one).
+
+The prompt is the template's own write-back of a call turn, cut where the call's
+opening marker stands (`prompt_text`): where a generation prompt opens a thinking
+block (`<think>`) and the template writes back `<think></think>` or nothing before
+a call, the forced call's prompt is what the template writes back, so the next
+request's prompt begins with this one's tokens and the call's.
+
+Invariants:
+- Each format's grammar admits, for a call the template renders, exactly the text
+  between the prompt's `prefix` and the end of the turn, and the model's parser
+  (mlx-lm's `tool_parser`) reads the call back from it.
+- String-typed parameters of the XML formats are raw text, as the templates write
+  them (no `<`, no surrounding white space, which the parsers strip); other values
+  are JSON or Python literals the way the template writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .closed_schema import closed
+from .schema_checks import check_schema
+from .structured import TEMPLATE_JSON, forced_call_grammar
+
+Marker = Callable[[str], str]
+
+INTEGER = r"/-?(0|[1-9][0-9]*)/"
+NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]*[1-9])?/"
+RAW = r"/([^<\s]([^<]*[^<\s])?)?/"  # text a template writes as is, its parser strips
+
+
+def literal(text: str) -> str:
+    """A Lark string for `text`."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def plain(text: str) -> str:
+    """A marker spelled as its text (a tokenizer whose markers are ordinary text)."""
+    return literal(text)
+
+
+def json_value(schema: dict[str, Any]) -> str:
+    """JSON valid against `schema`, written as templates' `tojson` writes it."""
+    return "%json " + json.dumps({**schema, "x-guidance": {**TEMPLATE_JSON, "lenient": True}})
+
+
+def parameters(tool: dict[str, Any], index: int) -> dict[str, Any]:
+    function = tool["function"]
+    schema = function.get("parameters") or {"type": "object", "properties": {}}
+    check_schema(schema, f"tools[{index}].function.parameters")
+    return closed(schema)
+
+
+class CallFormat(Protocol):
+    start: str
+    prefix: str
+    end: str
+    writes_end: bool  # whether the grammar writes `end` (else the turn's end token ends it)
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str: ...
+
+
+def _choice(alternatives: list[str]) -> str:
+    return "(" + " | ".join(alternatives) + ")"
+
+
+def _rules(calls: list[str], tail: str) -> str:
+    """The grammar: one of `calls` (Lark expressions), then `tail` (markers)."""
+    return f"start: {_choice(calls)} {tail}\n"
+
+
+@dataclass(frozen=True)
+class JsonBetweenMarkers:
+    """Hermes-style (`json_tools`): {"name", "arguments"} JSON between `<tool_call>`
+    markers, the call's JSON as the template's `tojson` writes it. The engine ends the
+    reply after the JSON (the end-of-turn token), as it always has for this format."""
+
+    start: str = "<tool_call>"
+    prefix: str = "<tool_call>\n"
+    end: str = "</tool_call>"
+    writes_end: bool = False
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        return forced_call_grammar(tools, TEMPLATE_JSON)
+
+
+@dataclass(frozen=True)
+class XmlParameters:
+    """Tagged parameters, one per argument, in the order the schema names them:
+    qwen3_coder (`<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n`),
+    minimax_m2 (`<invoke name="NAME">\\n<parameter name="P">VALUE</parameter>\\n`) and
+    glm47 (`NAME<arg_key>P</arg_key><arg_value>VALUE</arg_value>`). `scalars` says how
+    the template writes a number or boolean: "python" (`|string`: True) or "json"."""
+
+    start: str
+    prefix: str
+    end: str
+    head: str  # before the name
+    name_end: str  # after it
+    open_param: str  # before a parameter's name
+    param_sep: str  # between its name and its value
+    close_param: str  # after its value
+    close: str  # after the last parameter, before `end`
+    scalars: str = "json"
+    writes_end: bool = True
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        calls = []
+        for i, tool in enumerate(tools):
+            schema = parameters(tool, i)
+            required = set(schema.get("required") or ())
+            parts = []
+            for name, prop in (schema.get("properties") or {}).items():
+                one = (
+                    f"{literal(self.open_param + name + self.param_sep)} "
+                    f"{self.value(prop if isinstance(prop, dict) else {})} "
+                    f"{literal(self.close_param)}"
+                )
+                parts.append(f"({one})" if name in required else f"({one})?")
+            name = literal(self.head + tool["function"]["name"] + self.name_end)
+            calls.append(" ".join([name, *parts]) + f" {literal(self.close)}")
+        return _rules(calls, marker(self.end))
+
+    def value(self, prop: dict[str, Any]) -> str:
+        """How the template writes a value of `prop`: strings raw, the rest as literals."""
+        choices = prop.get("enum") if "enum" in prop else None
+        if "const" in prop:
+            choices = [prop["const"]]
+        if choices is not None and all(isinstance(c, str) for c in choices):
+            return _choice([literal(c) for c in choices]) if choices else '""'
+        kind = prop.get("type")
+        if kind == "string":
+            return RAW
+        if kind == "integer":
+            return INTEGER
+        if kind == "number":
+            return NUMBER
+        if kind == "boolean":
+            words = ("True", "False") if self.scalars == "python" else ("true", "false")
+            return _choice([literal(w) for w in words])
+        return json_value(prop)
+
+
+@dataclass(frozen=True)
+class KimiSections:
+    """kimi_k2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
+    <|tool_call_argument_begin|>{JSON}<|tool_call_end|><|tool_calls_section_end|>`, the
+    call's id its index, as the template writes it back."""
+
+    start: str = "<|tool_calls_section_begin|>"
+    prefix: str = "<|tool_calls_section_begin|>"
+    end: str = "<|tool_calls_section_end|>"
+    writes_end: bool = True
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        calls = []
+        for i, tool in enumerate(tools):
+            name = literal(f"functions.{tool['function']['name']}:0")
+            calls.append(
+                f"{marker('<|tool_call_begin|>')} {name} {marker('<|tool_call_argument_begin|>')} "
+                f"{json_value(parameters(tool, i))} {marker('<|tool_call_end|>')}"
+            )
+        return _rules(calls, marker(self.end))
+
+
+QWEN3_CODER = XmlParameters(
+    start="<tool_call>", prefix="<tool_call>\n", end="</tool_call>",
+    head="<function=", name_end=">\n", open_param="<parameter=", param_sep=">\n",
+    close_param="\n</parameter>\n", close="</function>\n", scalars="python",
+)  # fmt: skip
+MINIMAX_M2 = XmlParameters(
+    start="<minimax:tool_call>", prefix="<minimax:tool_call>\n", end="</minimax:tool_call>",
+    head='<invoke name="', name_end='">\n', open_param='<parameter name="', param_sep='">',
+    close_param="</parameter>\n", close="</invoke>\n",
+)  # fmt: skip
+GLM47 = XmlParameters(
+    start="<tool_call>", prefix="<tool_call>", end="</tool_call>",
+    head="", name_end="", open_param="<arg_key>", param_sep="</arg_key><arg_value>",
+    close_param="</arg_value>", close="",
+)  # fmt: skip
+
+# mlx-lm's parser module -> the format its template writes calls in. Parsers not here
+# (mistral, gemma4, pythonic, function_gemma, ...) keep the server's bare JSON call.
+FORMATS: dict[str, CallFormat] = {
+    "json_tools": JsonBetweenMarkers(),
+    "qwen3_coder": QWEN3_CODER,
+    "minimax_m2": MINIMAX_M2,
+    "glm47": GLM47,
+    "kimi_k2": KimiSections(),
+}
+
+
+def call_format(tokenizer: Any) -> CallFormat | None:
+    """The format of the model's tool calls, by the parser mlx-lm picked for it."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    module = getattr(parser, "__module__", "") or ""
+    return FORMATS.get(module.rsplit(".", 1)[-1]) if module else None
+
+
+def token_marker(tokenizer: Any) -> Marker:
+    """Markers as the model's tokenizer holds them: one that is a single token may be
+    that token (a special one's bytes are no text a grammar can match)."""
+
+    def marker(text: str) -> str:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return f"({literal(text)} | <[{ids[0]}]>)" if len(ids) == 1 else literal(text)
+
+    return marker
+
+
+def prompt_text(
+    render: Callable[[list[dict[str, Any]], bool], str],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    form: CallFormat,
+) -> str | None:
+    """The prompt of a forced call: the template's write-back of a turn that calls one
+    of `tools` (a result after it, as the next request has), cut at the call's opening
+    marker, then `form.prefix`. None where the template writes no call there (the
+    caller then uses the generation prompt)."""
+    name = tools[0]["function"]["name"]
+    call = {"id": "call00000", "type": "function",
+            "function": {"name": name, "arguments": {}}}  # fmt: skip
+    turn = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call00000", "name": name, "content": ""},
+    ]
+    try:
+        head, full = render(messages, False), render([*messages, *turn], False)
+    except Exception:
+        return None
+    shared = 0
+    for a, b in zip(head, full, strict=False):
+        if a != b:
+            break
+        shared += 1
+    at = full.find(form.start, shared)
+    return None if at < 0 else full[:at] + form.prefix

@@ -1,0 +1,154 @@
+"""Forced calls in each model's own markup, on the real chat templates: the grammar for a
+forced `get_weather` call admits exactly the text the template writes back for that call
+(driven token by token over the tiny byte-level tokenizer), the turn's end after it, and
+mlx-lm's own parser reads the call back from it."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import llguidance
+import llguidance.hf
+import pytest
+from mlx_lm.tokenizer_utils import _infer_tool_parser
+from transformers import PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from app.serving import call_markup
+from app.serving.structured import checked
+from tests.tiny_model import build_tokenizer
+from tests.unit.test_prompted_tools import Driver
+
+TEMPLATES = Path(__file__).parent.parent / "fixtures" / "templates"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+    "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city", "unit"]}}}  # fmt: skip
+OTHER = {"type": "function", "function": {"name": "get_time", "description": "Time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}, "exact": {"type": "boolean"}},
+    "required": ["zone"]}}}  # fmt: skip
+ARGUMENTS = {"city": "Paris", "unit": "c"}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def parser_of(path: Path) -> str | None:
+    return _infer_tool_parser(SimpleNamespace(chat_template=path.read_text(), get_vocab=dict))
+
+
+FORMATTED = [p for p in sorted(TEMPLATES.glob("*.jinja")) if parser_of(p) in call_markup.FORMATS]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    hf = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer())
+    return hf, llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=0)
+
+
+def renderer(path: Path, tools: list[dict]):
+    def render(messages: list[dict], generation_prompt: bool) -> str:
+        out, _ = render_jinja_template(
+            [messages], tools=tools, chat_template=path.read_text(),
+            add_generation_prompt=generation_prompt, bos_token="<s>", eos_token="</s>",
+        )  # fmt: skip
+        return out[0]
+
+    return render
+
+
+def call_turn(name: str, arguments: dict) -> list[dict]:
+    call = {"id": "abcdefghi", "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "abcdefghi", "name": name, "content": "sunny"},
+    ]
+
+
+def generated(path: Path, tools: list[dict], name: str, arguments: dict):
+    """The forced call's prompt, and the text after it the template writes back for the
+    call: what the model must generate for the next turn to reuse it."""
+    form = call_markup.FORMATS[parser_of(path)]
+    render = renderer(path, tools)
+    prompt = call_markup.prompt_text(render, USER, tools, form)
+    assert prompt is not None
+    after = render(USER + call_turn(name, arguments), False)
+    assert after.startswith(prompt), (prompt[-80:], after[len(prompt) - 80 :])
+    rest = after[len(prompt) :]
+    at = rest.index(form.end)
+    if form.writes_end:
+        return form, prompt, rest[: at + len(form.end)]
+    return form, prompt, rest[:at].removesuffix("\n")
+
+
+@pytest.mark.parametrize("path", FORMATTED, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [("get_weather", ARGUMENTS), ("get_time", {"zone": -3, "exact": True}),
+     ("get_time", {"zone": 12})],
+)  # fmt: skip
+def test_a_forced_call_is_the_markup_the_template_writes_back(tokenizer, path, name, arguments):
+    tools = [WEATHER, OTHER]
+    form, _, text = generated(path, tools, name, arguments)
+    grammar = checked(form.grammar(tools), "tools", strict=False)
+    run = Driver(tokenizer, grammar)
+    run.write(text)
+    assert run.allowed == {0}, text  # the call is whole: only the turn's end
+    parse = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}").parse_tool_call
+    body = text.removesuffix(form.end) if form.writes_end else text
+    call = parse(body, tools)
+    call = call[0] if isinstance(call, list) else call
+    assert (call["name"], call["arguments"]) == (name, arguments)
+
+
+@pytest.mark.parametrize("path", FORMATTED, ids=lambda p: p.stem)
+def test_a_forced_call_holds_its_arguments_to_the_schema(tokenizer, path):
+    form, _, text = generated(path, [WEATHER], "get_weather", ARGUMENTS)
+    run = Driver(tokenizer, checked(form.grammar([WEATHER]), "tools", strict=False))
+    head = text[: text.index("Paris")]
+    run.write(head)
+    run.write("Paris")
+    rest = text[len(head) + len("Paris") :]
+    at = rest.index('"c"' if '"c"' in rest else "c")
+    run.write(rest[:at] + ('"' if rest[at] == '"' else ""))
+    assert run.allows("c") and run.allows("f") and not run.allows("k")  # the enum
+
+
+@pytest.mark.parametrize("path", FORMATTED, ids=lambda p: p.stem)
+def test_the_prompt_ends_where_the_template_writes_the_call_back(path):
+    """Where the generation prompt opens a thinking block the template does not write
+    back before a call, the forced call's prompt is the write-back, not that block."""
+    form, prompt, _ = generated(path, [WEATHER], "get_weather", ARGUMENTS)
+    assert prompt.endswith(form.prefix)
+
+
+def test_the_server_forces_and_reads_a_call_in_qwen3_coder_markup(tokenizer):
+    """plan_tools picks the model's format by its parser, and the reply reads the call."""
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    from app.serving.chat import Reply
+    from app.serving.schemas import ChatCompletionRequest
+    from app.serving.tools import plan_tools
+
+    hf = tokenizer[0]
+    wrapped = SimpleNamespace(
+        has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
+        tool_call_start="<tool_call>", tool_call_end="</tool_call>", encode=hf.encode,
+    )  # fmt: skip
+    engine = SimpleNamespace(tokenizer=wrapped)
+    req = ChatCompletionRequest(model="m", messages=USER, tools=[WEATHER], tool_choice="required")
+    plan = plan_tools(req, engine)
+    assert plan.prefix == "<tool_call>\n" and plan.form is call_markup.QWEN3_CODER
+    text = (
+        "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"
+    )
+    Driver(tokenizer, plan.grammar).write(text)
+    content, calls = Reply(engine, req, plan).whole(text)
+    assert content is None and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == ARGUMENTS
+    reply = Reply(engine, req, plan)
+    assert reply.feed(text) == ("", [])
+    content, deltas = reply.finish()
+    assert content == "" and json.loads(deltas[0].function.arguments) == ARGUMENTS
