@@ -17,7 +17,7 @@ from typing import Any
 from prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
-from . import attribution, prompted_tools
+from . import attribution, harmony, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
@@ -76,6 +76,8 @@ def render_marked(
         messages = attribution.strip_attribution(messages)
     if not tools.templated:
         messages = prompted_tools.history(messages, tools.prompted or [])
+    elif harmony.is_harmony(engine.tokenizer):
+        messages = harmony.history(messages)
     kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": True}
     if tools.tools:
         kwargs["tools"] = tools.tools
