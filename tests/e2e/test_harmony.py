@@ -108,3 +108,42 @@ def test_a_forced_call_comes_back_as_a_call_and_its_tokens_are_reused(live):
     cached = r.usage.prompt_tokens_details.cached_tokens
     # The previous prompt and every token of the call, its `<|call|>` too.
     assert cached >= first.prompt_tokens + first.completion_tokens
+
+
+def test_messages_gives_a_thinking_block_then_text_and_a_forced_tool_use(live):
+    import anthropic
+
+    api = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Hello."}]
+    r = api.messages.create(model="tiny", messages=ask, max_tokens=60)
+    assert [
+        (b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in r.content
+    ] == [("thinking", THOUGHT), ("text", ANSWER)]
+    again = [{"role": "user", "content": "Hello again."}]  # a new prompt: the script restarts
+    with api.messages.stream(model="tiny", messages=again, max_tokens=60) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    tool = {"name": "pick_city", "description": "Pick one.",
+            "input_schema": CITY["function"]["parameters"]}  # fmt: skip
+    r = api.messages.create(model="tiny", messages=ask, max_tokens=60, tools=[tool],
+                            tool_choice={"type": "any"})  # fmt: skip
+    (use,) = r.content
+    assert use.type == "tool_use" and use.input["city"] in ("Paris", "Rome")
+    assert r.stop_reason == "tool_use"
+
+
+def test_responses_gives_a_reasoning_item_then_the_message_and_a_forced_call(live):
+    api = client(live)
+    r = api.responses.create(model="tiny", input="Hey.", max_output_tokens=60)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER
+    events = list(api.responses.create(model="tiny", input="Hey you.", max_output_tokens=60,
+                                       stream=True))  # fmt: skip
+    done = events[-1].response
+    assert [item.type for item in done.output] == ["reasoning", "message"]
+    assert done.output_text == ANSWER
+    tool = {"type": "function", **CITY["function"]}
+    r = api.responses.create(model="tiny", input="Pick.", tools=[tool], tool_choice="required",
+                             max_output_tokens=60)  # fmt: skip
+    (call,) = r.output
+    assert call.type == "function_call" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
