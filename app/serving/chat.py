@@ -6,6 +6,7 @@ import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -25,6 +26,7 @@ from .generation import (
     tracked,
     until_disconnected,
 )
+from .harmony import HarmonySplit, is_harmony
 from .limits import (
     check_model,
     check_prompt_chars,
@@ -207,9 +209,14 @@ def _constraint(engine: Engine, grammar: str) -> GrammarProcessor:
 class Reply:
     """A reply's text split into content and tool calls, as the request's tools ask.
 
-    Streaming, a forced call goes out as OpenAI's deltas do: its id and name as
-    soon as the name is generated, then its arguments as they come; one in a model's
-    own markup other than JSON (`call_markup`) goes out whole when it is.
+        Streaming, a forced call goes out as OpenAI's deltas do: its id and name as
+    <<<<<<< HEAD
+        soon as the name is generated, then its arguments as they come; one in a model's
+        own markup other than JSON (`call_markup`) goes out whole when it is.
+    =======
+        soon as the name is generated, then its arguments as they come. A harmony reply
+        (gpt-oss) is split by `HarmonySplit` alone: its channels say what each part is.
+    >>>>>>> s32-56-harmony
     """
 
     def __init__(
@@ -234,6 +241,11 @@ class Reply:
         self.call: ToolCall | None = None  # the forced call, once its name is known
         self.sent = 0  # how much of `forced` has gone out as argument fragments
         self.calls = 0  # calls sent
+        self.harmony = None
+        if is_harmony(engine.tokenizer):
+            new_call = partial(tool_call, arguments="")
+            self.harmony = HarmonySplit(new_call, keep_calls=tools.mode != "none")
+            self.text = None
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """Content and calls a piece of the reply adds; a reasoning model's thinking is
@@ -250,12 +262,16 @@ class Reply:
 
     def feed_all(self, text: str) -> tuple[str, str, list[ToolCallDelta]]:
         """`feed`, with the reasoning the piece adds first."""
+        if self.harmony is not None:
+            return self._counted(self.harmony.feed(text))
         reasoning = ""
         if self.thinking is not None:
             reasoning, text = self.thinking.feed(text)
         return (reasoning, *self._feed_answer(text))
 
     def finish_all(self) -> tuple[str, str, list[ToolCallDelta]]:
+        if self.harmony is not None:
+            return self._counted(self.harmony.finish())
         reasoning, content, calls = "", "", []
         if self.thinking is not None:
             reasoning, tail = self.thinking.finish()
@@ -265,10 +281,16 @@ class Reply:
 
     def whole_all(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """`whole`, with the reasoning first (None: the reply had no thinking)."""
+        if self.harmony is not None:
+            return self.harmony.whole(text)
         reasoning = None
         if self.thinking is not None:
             reasoning, text = split_whole(text, self.thinking.tags, self.thinking.thought)
         return (reasoning, *self._whole_answer(text))
+
+    def _counted(self, split: tuple[str, str, list[ToolCallDelta]]) -> tuple:
+        self.calls = len(self.harmony.calls)
+        return split
 
     def _feed_answer(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         if self.mode == "forced":

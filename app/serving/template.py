@@ -24,7 +24,7 @@ from jinja2.exceptions import TemplateError
 from prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
-from . import attribution, call_history, call_markup, prompted_tools
+from . import attribution, call_history, call_markup, harmony, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
@@ -105,7 +105,10 @@ def render_marked(
 
 
 def templated_history(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Past calls as a tool-aware template can render them (`call_history`)."""
+    """Past calls as a tool-aware template can render them (`call_history`; gpt-oss's
+    harmony: `harmony`)."""
+    if harmony.is_harmony(tokenizer):
+        return harmony.history(messages)
     if call_history.needs_short_ids(tokenizer):
         messages = call_history.with_short_ids(messages)
     if call_history.drops_calls(tokenizer):

@@ -3,9 +3,10 @@
 With `tool_choice` "auto" the model decides, in its own tool-call markup (the
 markers and parser mlx-lm infers from its chat template); the markup is cut out
 of the text, never sent as content. With "required" or a named function the
-call is forced by a grammar (`structured.forced_call_grammar`) and is the whole
-reply. With "none" no call is made or read. A model whose template knows no
-tools gets the server's own protocol for them (`prompted_tools`).
+call is forced by a grammar (`structured.forced_call_grammar`; for gpt-oss's harmony,
+`harmony.forced_call_grammar`) and is the whole reply. With "none" no call is made
+or read. A model whose template knows no tools gets the server's own protocol for
+them (`prompted_tools`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from ..engine import Engine
 from ..engine.text import overlap
-from . import call_markup, prompted_tools
+from . import call_markup, harmony, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
 from .structured import checked, forced_call_grammar
@@ -62,7 +63,7 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
                 param=f"tools[{i}]",
             )
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-    templated = bool(getattr(engine.tokenizer, "has_tool_calling", False))
+    templated = _templated(engine.tokenizer)
     shown = tools if templated else []
     prompted = None if templated or not tools else tools
     if choice == "none" or not tools:
@@ -94,6 +95,8 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
         raise APIError(
             400, "A forced tool call and response_format cannot be combined.", param="tool_choice"
         )
+    if harmony.is_harmony(engine.tokenizer):  # the call in harmony's markup, as written back
+        return ToolPlan("forced", shown, harmony.forced_call_grammar(chosen))
     form = call_markup.call_format(engine.tokenizer) if templated else None
     if form is not None:  # the call in the model's own markup, as its template writes it
         marker = call_markup.token_marker(engine.tokenizer)
@@ -117,8 +120,13 @@ def compiles_grammar(req: ChatCompletionRequest, engine: Engine) -> bool:
     template's `auto` and `none` compile nothing."""
     if not req.tools or req.tool_choice == "none":
         return False
-    templated = bool(getattr(engine.tokenizer, "has_tool_calling", False))
-    return not templated or req.tool_choice not in (None, "auto")
+    return not _templated(engine.tokenizer) or req.tool_choice not in (None, "auto")
+
+
+def _templated(tokenizer: Any) -> bool:
+    """Whether the chat template renders tools and calls itself: mlx-lm knows its call
+    markup, or it is harmony's (which mlx-lm has no parser for: `harmony` reads it)."""
+    return bool(getattr(tokenizer, "has_tool_calling", False)) or harmony.is_harmony(tokenizer)
 
 
 def _reader(
