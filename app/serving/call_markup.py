@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -129,13 +130,13 @@ class XmlParameters:
             parts = []
             for name, prop in (schema.get("properties") or {}).items():
                 one = (
-                    f"{literal(self.open_param + name + self.param_sep)} "
+                    f"{marker(self.open_param + name + self.param_sep)} "
                     f"{self.value(prop if isinstance(prop, dict) else {})} "
-                    f"{literal(self.close_param)}"
+                    f"{marker(self.close_param)}"
                 )
                 parts.append(f"({one})" if name in required else f"({one})?")
-            name = literal(self.head + tool["function"]["name"] + self.name_end)
-            calls.append(" ".join([name, *parts]) + f" {literal(self.close)}")
+            name = marker(self.head + tool["function"]["name"] + self.name_end)
+            calls.append(" ".join([name, *parts]) + f" {marker(self.close)}")
         return _rules(calls, marker(self.end))
 
     def value(self, prop: dict[str, Any]) -> str:
@@ -215,12 +216,26 @@ def call_format(tokenizer: Any) -> CallFormat | None:
 
 
 def token_marker(tokenizer: Any) -> Marker:
-    """Markers as the model's tokenizer holds them: one that is a single token may be
-    that token (a special one's bytes are no text a grammar can match)."""
+    """Fixed text as the model's tokenizer holds it: each of its added tokens (`<arg_key>`,
+    `<|tool_call_begin|>`) that the text holds is that one token, as the template's text
+    tokenizes, and the rest is text. Only that token: a special token's bytes are no text
+    a grammar can match, and an alternative of its text as well let llguidance's mask
+    allow the token where its forced bytes then refused it (a failed request)."""
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    if not added:
+        return plain
+    found = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))))
 
     def marker(text: str) -> str:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return f"({literal(text)} | <[{ids[0]}]>)" if len(ids) == 1 else literal(text)
+        parts, at = [], 0
+        for match in found.finditer(text):
+            if match.start() > at:
+                parts.append(literal(text[at : match.start()]))
+            parts.append(f"<[{added[match.group()]}]>")
+            at = match.end()
+        if at < len(text) or not parts:
+            parts.append(literal(text[at:]))
+        return " ".join(parts)
 
     return marker
 
