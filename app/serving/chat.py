@@ -209,14 +209,10 @@ def _constraint(engine: Engine, grammar: str) -> GrammarProcessor:
 class Reply:
     """A reply's text split into content and tool calls, as the request's tools ask.
 
-        Streaming, a forced call goes out as OpenAI's deltas do: its id and name as
-    <<<<<<< HEAD
-        soon as the name is generated, then its arguments as they come; one in a model's
-        own markup other than JSON (`call_markup`) goes out whole when it is.
-    =======
-        soon as the name is generated, then its arguments as they come. A harmony reply
-        (gpt-oss) is split by `HarmonySplit` alone: its channels say what each part is.
-    >>>>>>> s32-56-harmony
+    Streaming, a forced call goes out as OpenAI's deltas do: its id and name as soon
+    as the name is generated, then its arguments as they come; one in a model's own
+    markup other than JSON (`call_markup`) goes out whole when it is. A harmony reply
+    (gpt-oss) is split by `HarmonySplit` alone: its channels say what each part is.
     """
 
     def __init__(
