@@ -223,6 +223,10 @@ def test_the_server_gives_a_forced_mistral_call_the_id_it_generated(tokenizer):
     assert calls[0].function.name == "get_weather"
     assert json.loads(calls[0].function.arguments) == ARGUMENTS
     assert short_id(calls[0].id) == short_id("toolu_a1B2c3D4e") == "a1B2c3D4e"
+    streamed = Reply(engine, req, plan)
+    assert streamed.feed(MISTRAL_CALL) == ("", [])
+    content, deltas = streamed.finish()
+    assert content == "" and deltas[0].id == "call_a1B2c3D4e"
     history = [*USER, {"role": "assistant", "content": "", "tool_calls": [
         {"id": calls[0].id, "type": "function", "function": {"name": "get_weather",
          "arguments": ARGUMENTS}}]}]  # fmt: skip
