@@ -6,6 +6,15 @@ templates require ids of their own form: Mistral's insists on 9 alphanumeric
 characters and raises on any other. There every id is rendered as a 9-character one
 derived from it, the same each time (so a conversation's prompt begins with the
 tokens of its previous turn, and the cache serves them), a call and its result alike.
+An id the model generated in that form is the tail of the id the client is given
+(`call_id`: `call_` and it; `toolu_` and it on Messages), and renders back as it was
+generated.
+
+Such a template also requires user and assistant turns to alternate, a call's results
+standing for none: a user turn right after a tool's result (a client's next question,
+or Messages' tool_result and text in one user message) is refused. There the results
+are followed by an empty assistant turn, which is what the client's history says: the
+model has not answered them (`with_answers_after_results`).
 
 Some templates drop `tool_calls` altogether (LFM2.5's writes only `content`): the call
 would vanish from the history, leaving an empty assistant turn before its result.
@@ -18,9 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import uuid
 from typing import Any
 
 _SHORT_ID = re.compile(r"[A-Za-z0-9]{9}")
+_OUR_ID = re.compile(r"(?:call_|toolu_)([A-Za-z0-9]{9})")  # `call_id`'s, as the APIs send it
 _ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -39,12 +50,24 @@ def needs_short_ids(tokenizer: Any) -> bool:
     )
 
 
+def call_id(model_id: Any = None) -> str:
+    """A new call's id: `call_` and the model's own id where it wrote one in the short
+    form (which `short_id` renders back as it), else `call_` and random hex."""
+    if isinstance(model_id, str) and _SHORT_ID.fullmatch(model_id):
+        return f"call_{model_id}"
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def short_id(call_id: Any) -> str:
-    """`call_id` as 9 alphanumeric characters: itself where it is already one, else
-    characters drawn from its hash, so the same id always renders the same."""
+    """`call_id` as 9 alphanumeric characters: itself where it is already one, the
+    model's own id where it is one `call_id` built on it, else characters drawn from its
+    hash, so the same id always renders the same."""
     text = call_id if isinstance(call_id, str) else ""
     if _SHORT_ID.fullmatch(text):
         return text
+    ours = _OUR_ID.fullmatch(text)
+    if ours is not None:
+        return ours[1]
     number = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
     out = []
     for _ in range(9):
@@ -64,6 +87,17 @@ def with_short_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ]
         if "tool_call_id" in message:
             message["tool_call_id"] = short_id(message["tool_call_id"])
+        out.append(message)
+    return out
+
+
+def with_answers_after_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with an empty assistant turn between a tool's result and a user turn
+    right after it, for a template that requires the two to alternate."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if message.get("role") == "user" and out and out[-1].get("role") == "tool":
+            out.append({"role": "assistant", "content": ""})
         out.append(message)
     return out
 

@@ -22,7 +22,8 @@ request's prompt begins with this one's tokens and the call's.
 Invariants:
 - Each format's grammar admits, for a call the template renders, exactly the text
   between the prompt's `prefix` and the end of the turn, and the model's parser
-  (mlx-lm's `tool_parser`) reads the call back from it.
+  (mlx-lm's `tool_parser`, or the format's own `parse` where that one misreads the
+  markup: `tool_parser`) reads the call back from it.
 - String-typed parameters of the XML formats are raw text, as the templates write
   them (no `<`, no surrounding white space, which the parsers strip); other values
   are JSON or Python literals the way the template writes them.
@@ -35,6 +36,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from mlx_lm.tool_parsers import mistral
 
 from .closed_schema import closed
 from .schema_checks import check_schema
@@ -181,6 +184,51 @@ class KimiSections:
         return _rules(calls, marker(self.end))
 
 
+_MISTRAL_CALL = re.compile(r"\s*(?:\[TOOL_CALLS\]\s*)?([\w.-]+)\[CALL_ID\]([A-Za-z0-9]+)\[ARGS\]")
+
+
+@dataclass(frozen=True)
+class MistralCalls:
+    """mistral, where the template writes a call's id (Mistral Small 3.2 and later):
+    `[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{JSON}`, ID 9 alphanumerics, and the turn's end
+    after the last call. mlx-lm's parser takes the id for the name there, so `parse`
+    reads these calls, their ids with them: the client's id for a call is built on the
+    generated one, and `call_history` renders it back as those characters."""
+
+    start: str = "[TOOL_CALLS]"
+    prefix: str = "[TOOL_CALLS]"
+    end: str = ""
+    writes_end: bool = False
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        calls = [
+            f"{marker(tool['function']['name'] + '[CALL_ID]')} /[A-Za-z0-9]{{9}}/ "
+            f"{marker('[ARGS]')} {json_value(parameters(tool, i))}"
+            for i, tool in enumerate(tools)
+        ]
+        return _rules(calls, "")
+
+    def writes(self, template: Any) -> bool:
+        """Whether `template` writes calls in this form (older Mistral templates write a
+        JSON list after `[TOOL_CALLS]`, which stays the server's bare JSON call)."""
+        return isinstance(template, str) and "[CALL_ID]" in template
+
+    def parse(self, text: str, tools: Any = None) -> list[dict[str, Any]]:
+        """The calls in `text` (after the first `[TOOL_CALLS]`), each with its `id`;
+        text without `[CALL_ID]` goes to mlx-lm's parser, which reads the older forms."""
+        if "[CALL_ID]" not in text:
+            parsed = mistral.parse_tool_call(text, tools)
+            return parsed if isinstance(parsed, list) else [parsed]
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while text[at:].strip():
+            head = _MISTRAL_CALL.match(text, at)
+            if head is None:
+                raise ValueError(f"Could not parse tool call from: {text}")
+            arguments, at = decoder.raw_decode(text, head.end())
+            calls.append({"name": head[1], "arguments": arguments, "id": head[2]})
+        return calls
+
+
 QWEN3_CODER = XmlParameters(
     start="<tool_call>", prefix="<tool_call>\n", end="</tool_call>",
     head="<function=", name_end=">\n", open_param="<parameter=", param_sep=">\n",
@@ -198,13 +246,14 @@ GLM47 = XmlParameters(
 )  # fmt: skip
 
 # mlx-lm's parser module -> the format its template writes calls in. Parsers not here
-# (mistral, gemma4, pythonic, function_gemma, ...) keep the server's bare JSON call.
+# (gemma4, pythonic, function_gemma, ...) keep the server's bare JSON call.
 FORMATS: dict[str, CallFormat] = {
     "json_tools": JsonBetweenMarkers(),
     "qwen3_coder": QWEN3_CODER,
     "minimax_m2": MINIMAX_M2,
     "glm47": GLM47,
     "kimi_k2": KimiSections(),
+    "mistral": MistralCalls(),
 }
 
 
@@ -212,7 +261,15 @@ def call_format(tokenizer: Any) -> CallFormat | None:
     """The format of the model's tool calls, by the parser mlx-lm picked for it."""
     parser = getattr(tokenizer, "tool_parser", None)
     module = getattr(parser, "__module__", "") or ""
-    return FORMATS.get(module.rsplit(".", 1)[-1]) if module else None
+    form = FORMATS.get(module.rsplit(".", 1)[-1]) if module else None
+    template = getattr(tokenizer, "chat_template", None)
+    return None if isinstance(form, MistralCalls) and not form.writes(template) else form
+
+
+def tool_parser(tokenizer: Any) -> Callable[[str, Any], Any]:
+    """What reads the model's calls: its format's own reader where mlx-lm's misreads the
+    markup (`MistralCalls.parse`), else mlx-lm's parser."""
+    return getattr(call_format(tokenizer), "parse", None) or tokenizer.tool_parser
 
 
 def token_marker(tokenizer: Any) -> Marker:

@@ -105,12 +105,13 @@ def render_marked(
 
 
 def templated_history(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Past calls as a tool-aware template can render them (`call_history`; gpt-oss's
-    harmony: `harmony`)."""
+    """Past calls as a tool-aware template can render them (`call_history`: a Mistral-family
+    template's ids and turns that alternate; gpt-oss's harmony: `harmony`)."""
     if harmony.is_harmony(tokenizer):
         return harmony.history(messages)
     if call_history.needs_short_ids(tokenizer):
         messages = call_history.with_short_ids(messages)
+        messages = call_history.with_answers_after_results(messages)
     if call_history.drops_calls(tokenizer):
         messages = call_history.with_calls_in_content(messages, tokenizer)
     return messages

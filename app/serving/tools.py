@@ -12,14 +12,13 @@ them (`prompted_tools`).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine import Engine
 from ..engine.text import overlap
-from . import call_markup, harmony, prompted_tools
+from . import call_history, call_markup, harmony, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
 from .structured import checked, forced_call_grammar
@@ -162,12 +161,13 @@ def template_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def tool_call(name: str, arguments: Any) -> ToolCall:
+def tool_call(name: str, arguments: Any, model_id: Any = None) -> ToolCall:
+    """A call to send, its id built on the model's own where it wrote one a template
+    writes back (`call_history.call_id`)."""
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(
-        id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments)
-    )
+    function = FunctionCall(name=name, arguments=arguments)
+    return ToolCall(id=call_history.call_id(model_id), function=function)
 
 
 def forced_call(text: str) -> list[ToolCall]:
@@ -194,7 +194,7 @@ class ToolCallText:
             self.parser = lambda text, _tools: prompted_tools.parse(text)
         else:
             self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
-            self.parser = tokenizer.tool_parser
+            self.parser = call_markup.tool_parser(tokenizer)
         self.tools = tools
         self.pending, self.inside = "", False
 
@@ -250,5 +250,5 @@ class ToolCallText:
                 except ValueError:
                     continue
             if isinstance(arguments, dict):  # a call whose arguments are no object is none
-                calls.append(tool_call(item["name"], arguments))
+                calls.append(tool_call(item["name"], arguments, item.get("id")))
         return calls or None

@@ -76,7 +76,7 @@ def generated(path: Path, tools: list[dict], name: str, arguments: dict):
     after = render(USER + call_turn(name, arguments), False)
     assert after.startswith(prompt), (prompt[-80:], after[len(prompt) - 80 :])
     rest = after[len(prompt) :]
-    at = rest.index(form.end)
+    at = rest.index(form.end or "</s>")  # no end marker: the turn's end (the eos) ends it
     if form.writes_end:
         return form, prompt, rest[: at + len(form.end)]
     return form, prompt, rest[:at].removesuffix("\n")
@@ -95,7 +95,8 @@ def test_a_forced_call_is_the_markup_the_template_writes_back(tokenizer, path, n
     run = Driver(tokenizer, grammar)
     run.write(text)
     assert run.allowed == {0}, text  # the call is whole: only the turn's end
-    parse = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}").parse_tool_call
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}")
+    parse = getattr(form, "parse", None) or module.parse_tool_call  # the format's own reader
     body = text.removesuffix(form.end) if form.writes_end else text
     call = parse(body, tools)
     call = call[0] if isinstance(call, list) else call
@@ -152,3 +153,87 @@ def test_the_server_forces_and_reads_a_call_in_qwen3_coder_markup(tokenizer):
     assert reply.feed(text) == ("", [])
     content, deltas = reply.finish()
     assert content == "" and json.loads(deltas[0].function.arguments) == ARGUMENTS
+
+
+MISTRAL = TEMPLATES / "Mistral-Small-3.2-24B-Instruct-2506.jinja"
+MISTRAL_CALL = 'get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "c"}'
+
+
+def mistral_engine(hf, template: str = MISTRAL.read_text()) -> SimpleNamespace:
+    from mlx_lm.tool_parsers import mistral
+
+    wrapped = SimpleNamespace(
+        has_tool_calling=True, tool_parser=mistral.parse_tool_call, chat_template=template,
+        tool_call_start="[TOOL_CALLS]", tool_call_end="", encode=hf.encode,
+    )  # fmt: skip
+    return SimpleNamespace(tokenizer=wrapped)
+
+
+def test_mistral_writes_the_calls_id_and_the_grammar_takes_nine_alphanumerics(tokenizer):
+    _, prompt, text = generated(MISTRAL, [WEATHER], "get_weather", ARGUMENTS)
+    assert prompt.endswith("[/INST][TOOL_CALLS]")
+    assert text == 'get_weather[CALL_ID]abcdefghi[ARGS]{"city": "Paris", "unit": "c"}'
+    grammar = checked(call_markup.MistralCalls().grammar([WEATHER]), "tools", strict=False)
+    run = Driver(tokenizer, grammar)
+    run.write("get_weather[CALL_ID]a1B2c3D4")
+    assert run.allows("e") and not run.allows("_") and not run.allows("[")
+    run.write("e")
+    assert not run.allows("f") and run.allows("[")  # nine, no more
+
+
+def test_mistral_calls_are_read_with_their_ids_where_mlx_lm_takes_the_id_for_the_name():
+    from mlx_lm.tool_parsers import mistral
+
+    theirs = mistral.parse_tool_call(MISTRAL_CALL)
+    assert theirs["name"] == "a1B2c3D4e"  # why the format reads its calls itself
+    form = call_markup.MistralCalls()
+    assert form.parse(MISTRAL_CALL) == [{"name": "get_weather", "arguments": ARGUMENTS,
+                                         "id": "a1B2c3D4e"}]  # fmt: skip
+    two = form.parse(MISTRAL_CALL + '[TOOL_CALLS]get_time[CALL_ID]Z9y8X7w6V[ARGS]{"zone": 1}')
+    assert [(c["name"], c["id"]) for c in two] == [("get_weather", "a1B2c3D4e"),
+                                                  ("get_time", "Z9y8X7w6V")]  # fmt: skip
+    older = form.parse('[{"name": "get_time", "arguments": {"zone": 1}, "id": "Z9y8X7w6V"}]')
+    assert older == [{"name": "get_time", "arguments": {"zone": 1}, "id": "Z9y8X7w6V"}]
+    with pytest.raises(ValueError):
+        form.parse('get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Par')  # cut off
+
+
+def test_only_a_mistral_template_that_writes_call_ids_gets_the_markup(tokenizer):
+    engine = mistral_engine(tokenizer[0])
+    assert isinstance(call_markup.call_format(engine.tokenizer), call_markup.MistralCalls)
+    older = mistral_engine(tokenizer[0], "{{ '[TOOL_CALLS]' + (calls | tojson) }}")
+    assert call_markup.call_format(older.tokenizer) is None
+
+
+def test_the_server_gives_a_forced_mistral_call_the_id_it_generated(tokenizer):
+    """The client's id for the call is built on the generated one, and the history the
+    client sends back with it renders the call as it was generated."""
+    from app.serving.call_history import short_id, with_short_ids
+    from app.serving.chat import Reply
+    from app.serving.schemas import ChatCompletionRequest
+    from app.serving.tools import ToolCallText, plan_tools
+
+    engine = mistral_engine(tokenizer[0])
+    req = ChatCompletionRequest(model="m", messages=USER, tools=[WEATHER], tool_choice="required")
+    plan = plan_tools(req, engine)
+    assert plan.prefix == "[TOOL_CALLS]" and isinstance(plan.form, call_markup.MistralCalls)
+    Driver(tokenizer, plan.grammar).write(MISTRAL_CALL)
+    content, calls = Reply(engine, req, plan).whole(MISTRAL_CALL)
+    assert content is None and calls[0].id == "call_a1B2c3D4e"
+    assert calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == ARGUMENTS
+    assert short_id(calls[0].id) == short_id("toolu_a1B2c3D4e") == "a1B2c3D4e"
+    streamed = Reply(engine, req, plan)
+    assert streamed.feed(MISTRAL_CALL) == ("", [])
+    content, deltas = streamed.finish()
+    assert content == "" and deltas[0].id == "call_a1B2c3D4e"
+    history = [*USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": calls[0].id, "type": "function", "function": {"name": "get_weather",
+         "arguments": ARGUMENTS}}]}]  # fmt: skip
+    assert MISTRAL_CALL + "</s>" in renderer(MISTRAL, [WEATHER])(with_short_ids(history), False)
+    # A call the model makes unforced is read the same way.
+    text = ToolCallText(engine, [WEATHER])
+    assert text.feed("Sure. [TOOL_CALLS]" + MISTRAL_CALL) == ("Sure. ", [])
+    content, calls = text.finish()
+    assert content == "" and calls[0].id == "call_a1B2c3D4e"
+    assert calls[0].function.name == "get_weather"

@@ -108,6 +108,24 @@ def test_mistral_renders_any_call_id_as_nine_characters_the_same_each_time(token
     assert call_ids(rendered(tokenizer, loop(call_id="abc123XYZ")))[0] == ["abc123XYZ"]
 
 
+def test_mistral_renders_the_ids_we_build_on_its_own_as_generated(tokenizers):
+    """A call's id is `call_` and the 9 characters the model generated (`toolu_` and them
+    on Messages): either renders back as those characters."""
+    for call_id in ("call_a1B2c3D4e", "toolu_a1B2c3D4e"):
+        calls, results = call_ids(rendered(tokenizers[MISTRAL], loop(call_id=call_id)))
+        assert calls == results == ["a1B2c3D4e"]
+
+
+def test_mistral_takes_a_user_turn_right_after_a_tool_result(tokenizers):
+    """Its template requires user and assistant turns to alternate, a result standing for
+    none: an empty assistant turn closes the results before the client's next question."""
+    messages = [*loop()[:3], {"role": "user", "content": "And tomorrow?"}]
+    text = rendered(tokenizers[MISTRAL], messages)
+    assert re.search(r"\[TOOL_RESULTS\]\w{9}\[TOOL_CONTENT\]Sunny\[/TOOL_RESULTS\]</s>", text)
+    assert text.endswith("[INST]And tomorrow?[/INST]")
+    assert text.count("</s>") == 2  # the call's turn, and the empty answer
+
+
 def test_a_templates_own_rule_is_a_400_in_its_words(tokenizers):
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(APIError) as e:
