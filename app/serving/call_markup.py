@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .call_values import GemmaValues, Rules, python_scalar
 from .closed_schema import closed
 from .schema_checks import check_schema
 from .structured import TEMPLATE_JSON, forced_call_grammar
@@ -181,6 +182,57 @@ class KimiSections:
         return _rules(calls, marker(self.end))
 
 
+@dataclass(frozen=True)
+class GemmaCall:
+    """gemma4: `<|tool_call>call:NAME{key:VALUE,...}<tool_call|>`, the arguments in the
+    template's own value syntax (`call_values.GemmaValues`: `<|"|>` strings, keys in
+    `dictsort` order), as it writes the call back."""
+
+    start: str = "<|tool_call>"
+    prefix: str = "<|tool_call>"
+    end: str = "<tool_call|>"
+    writes_end: bool = True
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        values = GemmaValues(marker)
+        calls = []
+        for i, tool in enumerate(tools):
+            head = literal(f"call:{tool['function']['name']}{{")
+            calls.append(f'{head} {values.fields(parameters(tool, i))} "}}"')
+        return _rules(calls, marker(self.end)) + values.text()
+
+
+@dataclass(frozen=True)
+class PythonCall:
+    """pythonic (LFM2.5): `<|tool_call_start|>[NAME(key=VALUE, ...)]<|tool_call_end|>`.
+    Its template drops `tool_calls`; `call_history.pythonic` writes them into the turn's
+    content instead, so the call is generated as that writes it: arguments in the order
+    given (the schema's), each value as `json.dumps` writes it."""
+
+    start: str = "<|tool_call_start|>"
+    prefix: str = "<|tool_call_start|>"
+    end: str = "<|tool_call_end|>"
+    writes_end: bool = True
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        rules = Rules("python")
+        calls = []
+        for i, tool in enumerate(tools):
+            schema = parameters(tool, i)
+            required = set(schema.get("required") or ())
+            items = [
+                (f"{literal(name + '=')} {self.value(prop)}", name in required)
+                for name, prop in (schema.get("properties") or {}).items()
+            ]
+            head = literal(f"[{tool['function']['name']}(")
+            calls.append(f'{head} {rules.listed(items, ", ")} ")]"')
+        return _rules(calls, marker(self.end)) + rules.text()
+
+    def value(self, prop: Any) -> str:
+        prop = prop if isinstance(prop, dict) else {}
+        return python_scalar(prop) or json_value(prop)
+
+
 QWEN3_CODER = XmlParameters(
     start="<tool_call>", prefix="<tool_call>\n", end="</tool_call>",
     head="<function=", name_end=">\n", open_param="<parameter=", param_sep=">\n",
@@ -198,13 +250,15 @@ GLM47 = XmlParameters(
 )  # fmt: skip
 
 # mlx-lm's parser module -> the format its template writes calls in. Parsers not here
-# (mistral, gemma4, pythonic, function_gemma, ...) keep the server's bare JSON call.
+# (mistral, function_gemma, ...) keep the server's bare JSON call.
 FORMATS: dict[str, CallFormat] = {
     "json_tools": JsonBetweenMarkers(),
     "qwen3_coder": QWEN3_CODER,
     "minimax_m2": MINIMAX_M2,
     "glm47": GLM47,
     "kimi_k2": KimiSections(),
+    "gemma4": GemmaCall(),
+    "pythonic": PythonCall(),
 }
 
 

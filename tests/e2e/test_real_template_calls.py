@@ -31,9 +31,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 NOT_REUSED = {
     # The call is forced as the server's bare JSON, which the template writes back in its
     # own markup: the reuse ends at the previous prompt.
-    "google-gemma-4-31B-it.jinja": "gemma4's value syntax is not generated yet",
     "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral's call holds its [CALL_ID]",
-    "LFM2.5-Instruct.jinja": "pythonic calls are written back, but forced as JSON",
     # The template re-renders the previous generation prompt differently (its `<think>`).
     "deepseek-ai-DeepSeek-V3.1.jinja": "the template rewrites the previous turn's thinking",
 }  # fmt: skip

@@ -13,12 +13,13 @@ from types import SimpleNamespace
 import llguidance
 import llguidance.hf
 import pytest
-from mlx_lm.tokenizer_utils import _infer_tool_parser
 from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from app.serving import call_markup
 from app.serving.structured import checked
+from app.serving.template import templated_history
+from tests.real_templates import REAL_TEMPLATES
 from tests.tiny_model import build_tokenizer
 from tests.unit.test_prompted_tools import Driver
 
@@ -34,7 +35,20 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def parser_of(path: Path) -> str | None:
-    return _infer_tool_parser(SimpleNamespace(chat_template=path.read_text(), get_vocab=dict))
+    """The parser mlx-lm infers for the real model (LFM2.5's from its vocabulary)."""
+    return REAL_TEMPLATES[path.name].parser
+
+
+def server_history(path: Path, messages: list[dict]) -> list[dict]:
+    """The messages as the server hands them to the template (`templated_history`: for
+    LFM2.5, whose template drops calls, the calls written into the content)."""
+    parser = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}")
+    tokenizer = SimpleNamespace(
+        chat_template=path.read_text(), has_tool_calling=True,
+        tool_parser=parser.parse_tool_call, tool_call_start=parser.tool_call_start,
+        tool_call_end=parser.tool_call_end,
+    )  # fmt: skip
+    return templated_history(tokenizer, messages)
 
 
 FORMATTED = [p for p in sorted(TEMPLATES.glob("*.jinja")) if parser_of(p) in call_markup.FORMATS]
@@ -72,8 +86,9 @@ def generated(path: Path, tools: list[dict], name: str, arguments: dict):
     form = call_markup.FORMATS[parser_of(path)]
     render = renderer(path, tools)
     prompt = call_markup.prompt_text(render, USER, tools, form)
-    assert prompt is not None
-    after = render(USER + call_turn(name, arguments), False)
+    if prompt is None:  # the template writes no call: the generation prompt, as the server
+        prompt = render(USER, True) + form.prefix
+    after = render(server_history(path, USER + call_turn(name, arguments)), False)
     assert after.startswith(prompt), (prompt[-80:], after[len(prompt) - 80 :])
     rest = after[len(prompt) :]
     at = rest.index(form.end)
