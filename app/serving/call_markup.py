@@ -25,7 +25,12 @@ Invariants:
   (mlx-lm's `tool_parser`) reads the call back from it.
 - String-typed parameters of the XML formats are raw text, as the templates write
   them (no `<`, no surrounding white space, which the parsers strip); other values
-  are JSON or Python literals the way the template writes them.
+  are JSON or Python literals the way the template writes them. Gemma 4's and
+  pythonic values are written as `call_values` describes (numbers as Python prints
+  them, Gemma's keys in its template's sorted order).
+- A template that writes no call (LFM2.5's) has its calls written back into the
+  content by `call_history`: that write-back is the one the grammar admits, and the
+  forced call's prompt is the generation prompt and `prefix` (`prompt_text` is None).
 """
 
 from __future__ import annotations

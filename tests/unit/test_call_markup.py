@@ -167,3 +167,79 @@ def test_the_server_forces_and_reads_a_call_in_qwen3_coder_markup(tokenizer):
     assert reply.feed(text) == ("", [])
     content, deltas = reply.finish()
     assert content == "" and json.loads(deltas[0].function.arguments) == ARGUMENTS
+
+
+PLAN = {"type": "function", "function": {"name": "plan", "description": "Plan", "parameters": {
+    "type": "object", "properties": {
+        "title": {"type": "string"}, "Zeta": {"type": "number"}, "alpha": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "where": {"type": "object", "properties": {"lon": {"type": "number"},
+                  "Lat": {"type": "number"}}, "required": ["lon", "Lat"]},
+        "on": {"type": "boolean"}},
+    "required": ["title"]}}}  # fmt: skip
+OWN_SYNTAX = [p for p in FORMATTED if parser_of(p) in ("gemma4", "pythonic")]
+
+
+def accepts(tokenizer, grammar: str, text: str) -> bool:
+    """Whether the grammar admits `text` whole, then only the turn's end."""
+    run = Driver(tokenizer, grammar)
+    for token in run.hf.encode(text, add_special_tokens=False):
+        if token not in run.allowed:
+            return False
+        run.tokens.append(token)
+        run.allowed = run._step()
+    return run.allowed == {0}
+
+
+@pytest.mark.parametrize("path", OWN_SYNTAX, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "arguments",
+    [{"title": 'a "b" {c}: d\\e, f=1', "Zeta": 1.5, "alpha": -3, "tags": ["x", "y z"],
+      "where": {"lon": 2.25, "Lat": -0.5}, "on": False},
+     {"title": ""}, {"title": "t", "Zeta": 7, "on": True}, {"title": "t", "Zeta": 0.0001}],
+)  # fmt: skip
+def test_values_are_generated_as_the_write_back_prints_them(tokenizer, path, arguments):
+    """Gemma 4: `<|"|>` strings, keys sorted at every level (`Zeta` among lower case as
+    `dictsort` sorts it), Python's numbers; pythonic: `json.dumps`'s values. Either way
+    the grammar admits the write-back whole and the model's parser reads it back."""
+    form, _, text = generated(path, [PLAN, OTHER], "plan", arguments)
+    assert accepts(tokenizer, checked(form.grammar([PLAN, OTHER]), "tools", strict=False), text)
+    parse = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}").parse_tool_call
+    assert parse(text.removesuffix(form.end), [PLAN]) == {"name": "plan", "arguments": arguments}
+
+
+@pytest.mark.parametrize("path", OWN_SYNTAX, ids=lambda p: p.stem)
+@pytest.mark.parametrize(("zeta", "written"), [(1.5, "1.50"), (100000.0, "1e5"), (0.0, "-0"),
+                                               (1e-05, "0.00001"), (2.0, "2.00")])  # fmt: skip
+def test_a_number_is_written_only_as_python_prints_it(tokenizer, path, zeta, written):
+    """A number the template would print otherwise next turn is refused: its reuse
+    would stop there."""
+    form, _, text = generated(path, [PLAN], "plan", {"title": "t", "Zeta": zeta})
+    printed = "1e-05" if zeta == 1e-05 else repr(zeta)
+    assert printed in text and written not in text
+    grammar = checked(form.grammar([PLAN]), "tools", strict=False)
+    assert not accepts(tokenizer, grammar, text.replace(printed, written))
+    if zeta != 1e-05:  # an exponent Python writes is outside the generated range
+        assert accepts(tokenizer, grammar, text)
+
+
+LOOSE = {"type": "function", "function": {"name": "loose", "description": "Loose", "parameters": {
+    "type": "object", "properties": {
+        "any": {}, "map": {"type": "object"}, "either": {"anyOf": [{"type": "integer"},
+        {"type": "string"}]}, "maybe": {"type": ["string", "null"]}, "level": {"enum": [1, 2]},
+        "fixed": {"const": {"b": [True], "a": "x"}}},
+    "required": ["any", "map", "either", "maybe", "level", "fixed"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", OWN_SYNTAX, ids=lambda p: p.stem)
+def test_values_whose_schema_leaves_their_shape_open(tokenizer, path):
+    """Untyped values, free-form maps (keys as the template sorts them), unions, enums
+    and constants of any JSON type are written as the template writes them back."""
+    arguments = {
+        "any": [1, "s", {"k": False}], "map": {"a": 1, "b": {"c": "d"}}, "either": "7",
+        "maybe": "m", "level": 2, "fixed": {"b": [True], "a": "x"},
+    }  # fmt: skip
+    form, _, text = generated(path, [LOOSE], "loose", arguments)
+    assert accepts(tokenizer, checked(form.grammar([LOOSE]), "tools", strict=False), text)
+    parse = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}").parse_tool_call
+    assert parse(text.removesuffix(form.end), [LOOSE])["arguments"] == arguments
