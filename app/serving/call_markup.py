@@ -26,7 +26,12 @@ Invariants:
   markup: `tool_parser`) reads the call back from it.
 - String-typed parameters of the XML formats are raw text, as the templates write
   them (no `<`, no surrounding white space, which the parsers strip); other values
-  are JSON or Python literals the way the template writes them.
+  are JSON or Python literals the way the template writes them. Gemma 4's and
+  pythonic values are written as `call_values` describes (numbers as Python prints
+  them, Gemma's keys in its template's sorted order).
+- A template that writes no call (LFM2.5's) has its calls written back into the
+  content by `call_history`: that write-back is the one the grammar admits, and the
+  forced call's prompt is the generation prompt and `prefix` (`prompt_text` is None).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any, Protocol
 
 from mlx_lm.tool_parsers import mistral
 
+from .call_values import GemmaValues, Rules, python_scalar
 from .closed_schema import closed
 from .schema_checks import check_schema
 from .structured import TEMPLATE_JSON, forced_call_grammar
@@ -229,6 +235,57 @@ class MistralCalls:
         return calls
 
 
+@dataclass(frozen=True)
+class GemmaCall:
+    """gemma4: `<|tool_call>call:NAME{key:VALUE,...}<tool_call|>`, the arguments in the
+    template's own value syntax (`call_values.GemmaValues`: `<|"|>` strings, keys in
+    `dictsort` order), as it writes the call back."""
+
+    start: str = "<|tool_call>"
+    prefix: str = "<|tool_call>"
+    end: str = "<tool_call|>"
+    writes_end: bool = True
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        values = GemmaValues(marker)
+        calls = []
+        for i, tool in enumerate(tools):
+            head = literal(f"call:{tool['function']['name']}{{")
+            calls.append(f'{head} {values.fields(parameters(tool, i))} "}}"')
+        return _rules(calls, marker(self.end)) + values.text()
+
+
+@dataclass(frozen=True)
+class PythonCall:
+    """pythonic (LFM2.5): `<|tool_call_start|>[NAME(key=VALUE, ...)]<|tool_call_end|>`.
+    Its template drops `tool_calls`; `call_history.pythonic` writes them into the turn's
+    content instead, so the call is generated as that writes it: arguments in the order
+    given (the schema's), each value as `json.dumps` writes it."""
+
+    start: str = "<|tool_call_start|>"
+    prefix: str = "<|tool_call_start|>"
+    end: str = "<|tool_call_end|>"
+    writes_end: bool = True
+
+    def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
+        rules = Rules("python")
+        calls = []
+        for i, tool in enumerate(tools):
+            schema = parameters(tool, i)
+            required = set(schema.get("required") or ())
+            items = [
+                (f"{literal(name + '=')} {self.value(prop)}", name in required)
+                for name, prop in (schema.get("properties") or {}).items()
+            ]
+            head = literal(f"[{tool['function']['name']}(")
+            calls.append(f'{head} {rules.listed(items, ", ")} ")]"')
+        return _rules(calls, marker(self.end)) + rules.text()
+
+    def value(self, prop: Any) -> str:
+        prop = prop if isinstance(prop, dict) else {}
+        return python_scalar(prop) or json_value(prop)
+
+
 QWEN3_CODER = XmlParameters(
     start="<tool_call>", prefix="<tool_call>\n", end="</tool_call>",
     head="<function=", name_end=">\n", open_param="<parameter=", param_sep=">\n",
@@ -246,7 +303,7 @@ GLM47 = XmlParameters(
 )  # fmt: skip
 
 # mlx-lm's parser module -> the format its template writes calls in. Parsers not here
-# (gemma4, pythonic, function_gemma, ...) keep the server's bare JSON call.
+# (function_gemma, ...) keep the server's bare JSON call.
 FORMATS: dict[str, CallFormat] = {
     "json_tools": JsonBetweenMarkers(),
     "qwen3_coder": QWEN3_CODER,
@@ -254,6 +311,8 @@ FORMATS: dict[str, CallFormat] = {
     "glm47": GLM47,
     "kimi_k2": KimiSections(),
     "mistral": MistralCalls(),
+    "gemma4": GemmaCall(),
+    "pythonic": PythonCall(),
 }
 
 

@@ -31,8 +31,6 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 NOT_REUSED = {
     # The call is forced as the server's bare JSON, which the template writes back in its
     # own markup: the reuse ends at the previous prompt.
-    "google-gemma-4-31B-it.jinja": "gemma4's value syntax is not generated yet",
-    "LFM2.5-Instruct.jinja": "pythonic calls are written back, but forced as JSON",
     # The template re-renders the previous generation prompt differently (its `<think>`).
     "deepseek-ai-DeepSeek-V3.1.jinja": "the template rewrites the previous turn's thinking",
 }  # fmt: skip

@@ -13,12 +13,13 @@ from types import SimpleNamespace
 import llguidance
 import llguidance.hf
 import pytest
-from mlx_lm.tokenizer_utils import _infer_tool_parser
 from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from app.serving import call_markup
 from app.serving.structured import checked
+from app.serving.template import templated_history
+from tests.real_templates import REAL_TEMPLATES
 from tests.tiny_model import build_tokenizer
 from tests.unit.test_prompted_tools import Driver
 
@@ -34,7 +35,20 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def parser_of(path: Path) -> str | None:
-    return _infer_tool_parser(SimpleNamespace(chat_template=path.read_text(), get_vocab=dict))
+    """The parser mlx-lm infers for the real model (LFM2.5's from its vocabulary)."""
+    return REAL_TEMPLATES[path.name].parser
+
+
+def server_history(path: Path, messages: list[dict]) -> list[dict]:
+    """The messages as the server hands them to the template (`templated_history`: for
+    LFM2.5, whose template drops calls, the calls written into the content)."""
+    parser = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}")
+    tokenizer = SimpleNamespace(
+        chat_template=path.read_text(), has_tool_calling=True,
+        tool_parser=parser.parse_tool_call, tool_call_start=parser.tool_call_start,
+        tool_call_end=parser.tool_call_end,
+    )  # fmt: skip
+    return templated_history(tokenizer, messages)
 
 
 FORMATTED = [p for p in sorted(TEMPLATES.glob("*.jinja")) if parser_of(p) in call_markup.FORMATS]
@@ -72,8 +86,9 @@ def generated(path: Path, tools: list[dict], name: str, arguments: dict):
     form = call_markup.FORMATS[parser_of(path)]
     render = renderer(path, tools)
     prompt = call_markup.prompt_text(render, USER, tools, form)
-    assert prompt is not None
-    after = render(USER + call_turn(name, arguments), False)
+    if prompt is None:  # the template writes no call: the generation prompt, as the server
+        prompt = render(USER, True) + form.prefix
+    after = render(server_history(path, USER + call_turn(name, arguments)), False)
     assert after.startswith(prompt), (prompt[-80:], after[len(prompt) - 80 :])
     rest = after[len(prompt) :]
     at = rest.index(form.end or "</s>")  # no end marker: the turn's end (the eos) ends it
@@ -237,3 +252,79 @@ def test_the_server_gives_a_forced_mistral_call_the_id_it_generated(tokenizer):
     content, calls = text.finish()
     assert content == "" and calls[0].id == "call_a1B2c3D4e"
     assert calls[0].function.name == "get_weather"
+
+
+PLAN = {"type": "function", "function": {"name": "plan", "description": "Plan", "parameters": {
+    "type": "object", "properties": {
+        "title": {"type": "string"}, "Zeta": {"type": "number"}, "alpha": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "where": {"type": "object", "properties": {"lon": {"type": "number"},
+                  "Lat": {"type": "number"}}, "required": ["lon", "Lat"]},
+        "on": {"type": "boolean"}},
+    "required": ["title"]}}}  # fmt: skip
+OWN_SYNTAX = [p for p in FORMATTED if parser_of(p) in ("gemma4", "pythonic")]
+
+
+def accepts(tokenizer, grammar: str, text: str) -> bool:
+    """Whether the grammar admits `text` whole, then only the turn's end."""
+    run = Driver(tokenizer, grammar)
+    for token in run.hf.encode(text, add_special_tokens=False):
+        if token not in run.allowed:
+            return False
+        run.tokens.append(token)
+        run.allowed = run._step()
+    return run.allowed == {0}
+
+
+@pytest.mark.parametrize("path", OWN_SYNTAX, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "arguments",
+    [{"title": 'a "b" {c}: d\\e, f=1', "Zeta": 1.5, "alpha": -3, "tags": ["x", "y z"],
+      "where": {"lon": 2.25, "Lat": -0.5}, "on": False},
+     {"title": ""}, {"title": "t", "Zeta": 7, "on": True}, {"title": "t", "Zeta": 0.0001}],
+)  # fmt: skip
+def test_values_are_generated_as_the_write_back_prints_them(tokenizer, path, arguments):
+    """Gemma 4: `<|"|>` strings, keys sorted at every level (`Zeta` among lower case as
+    `dictsort` sorts it), Python's numbers; pythonic: `json.dumps`'s values. Either way
+    the grammar admits the write-back whole and the model's parser reads it back."""
+    form, _, text = generated(path, [PLAN, OTHER], "plan", arguments)
+    assert accepts(tokenizer, checked(form.grammar([PLAN, OTHER]), "tools", strict=False), text)
+    parse = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}").parse_tool_call
+    assert parse(text.removesuffix(form.end), [PLAN]) == {"name": "plan", "arguments": arguments}
+
+
+@pytest.mark.parametrize("path", OWN_SYNTAX, ids=lambda p: p.stem)
+@pytest.mark.parametrize(("zeta", "written"), [(1.5, "1.50"), (100000.0, "1e5"), (0.0, "-0"),
+                                               (1e-05, "0.00001"), (2.0, "2.00")])  # fmt: skip
+def test_a_number_is_written_only_as_python_prints_it(tokenizer, path, zeta, written):
+    """A number the template would print otherwise next turn is refused: its reuse
+    would stop there."""
+    form, _, text = generated(path, [PLAN], "plan", {"title": "t", "Zeta": zeta})
+    printed = "1e-05" if zeta == 1e-05 else repr(zeta)
+    assert printed in text and written not in text
+    grammar = checked(form.grammar([PLAN]), "tools", strict=False)
+    assert not accepts(tokenizer, grammar, text.replace(printed, written))
+    if zeta != 1e-05:  # an exponent Python writes is outside the generated range
+        assert accepts(tokenizer, grammar, text)
+
+
+LOOSE = {"type": "function", "function": {"name": "loose", "description": "Loose", "parameters": {
+    "type": "object", "properties": {
+        "any": {}, "map": {"type": "object"}, "either": {"anyOf": [{"type": "integer"},
+        {"type": "string"}]}, "maybe": {"type": ["string", "null"]}, "level": {"enum": [1, 2]},
+        "fixed": {"const": {"b": [True], "a": "x"}}},
+    "required": ["any", "map", "either", "maybe", "level", "fixed"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", OWN_SYNTAX, ids=lambda p: p.stem)
+def test_values_whose_schema_leaves_their_shape_open(tokenizer, path):
+    """Untyped values, free-form maps (keys as the template sorts them), unions, enums
+    and constants of any JSON type are written as the template writes them back."""
+    arguments = {
+        "any": [1, "s", {"k": False}], "map": {"a": 1, "b": {"c": "d"}}, "either": "7",
+        "maybe": "m", "level": 2, "fixed": {"b": [True], "a": "x"},
+    }  # fmt: skip
+    form, _, text = generated(path, [LOOSE], "loose", arguments)
+    assert accepts(tokenizer, checked(form.grammar([LOOSE]), "tools", strict=False), text)
+    parse = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}").parse_tool_call
+    assert parse(text.removesuffix(form.end), [LOOSE])["arguments"] == arguments
