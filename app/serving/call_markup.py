@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 from mlx_lm.tool_parsers import mistral
 
-from .call_values import GemmaValues, Rules, python_scalar
+from .call_values import GemmaValues, Rules, plain_parameters, python_scalar
 from .closed_schema import closed
 from .schema_checks import check_schema
 from .structured import TEMPLATE_JSON, forced_call_grammar
@@ -86,6 +86,11 @@ class CallFormat(Protocol):
 
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str: ...
 
+    def supports(self, tools: list[dict[str, Any]]) -> bool:
+        """Whether the format's grammar holds the calls to every keyword of the tools'
+        schemas (else the call is forced as the server's bare JSON, which does)."""
+        ...
+
 
 def _choice(alternatives: list[str]) -> str:
     return "(" + " | ".join(alternatives) + ")"
@@ -106,6 +111,9 @@ class JsonBetweenMarkers:
     prefix: str = "<tool_call>\n"
     end: str = "</tool_call>"
     writes_end: bool = False
+
+    def supports(self, tools: list[dict[str, Any]]) -> bool:
+        return True  # the arguments are the tool's whole JSON schema
 
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
         return forced_call_grammar(tools, TEMPLATE_JSON)
@@ -130,6 +138,9 @@ class XmlParameters:
     close: str  # after the last parameter, before `end`
     scalars: str = "json"
     writes_end: bool = True
+
+    def supports(self, tools: list[dict[str, Any]]) -> bool:
+        return all(plain_parameters(tool, nested=False) for tool in tools)
 
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
         calls = []
@@ -179,6 +190,9 @@ class KimiSections:
     end: str = "<|tool_calls_section_end|>"
     writes_end: bool = True
 
+    def supports(self, tools: list[dict[str, Any]]) -> bool:
+        return True  # the arguments are the tool's whole JSON schema
+
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
         calls = []
         for i, tool in enumerate(tools):
@@ -205,6 +219,9 @@ class MistralCalls:
     prefix: str = "[TOOL_CALLS]"
     end: str = ""
     writes_end: bool = False
+
+    def supports(self, tools: list[dict[str, Any]]) -> bool:
+        return True  # the arguments are the tool's whole JSON schema
 
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
         calls = [
@@ -246,6 +263,9 @@ class GemmaCall:
     end: str = "<tool_call|>"
     writes_end: bool = True
 
+    def supports(self, tools: list[dict[str, Any]]) -> bool:
+        return all(plain_parameters(tool, nested=True) for tool in tools)
+
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
         values = GemmaValues(marker)
         calls = []
@@ -266,6 +286,9 @@ class PythonCall:
     prefix: str = "<|tool_call_start|>"
     end: str = "<|tool_call_end|>"
     writes_end: bool = True
+
+    def supports(self, tools: list[dict[str, Any]]) -> bool:
+        return all(plain_parameters(tool, nested=True) for tool in tools)
 
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
         rules = Rules("python")

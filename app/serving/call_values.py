@@ -185,3 +185,53 @@ def python_scalar(prop: dict[str, Any]) -> str | None:
     if kind == "boolean":
         return '("true" | "false")'
     return None
+
+
+# What a format's own value syntax holds a value to: its type, a string enum, an object's
+# named properties. Keywords past that (bounds, patterns, `$ref`s, unions) it would drop,
+# and its parser would read some values otherwise than written (a union's JSON string,
+# its quotes kept): a tool using any is forced as the server's bare JSON call instead.
+UNENFORCED = frozenset({
+    "pattern", "minLength", "maxLength", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "minItems", "maxItems", "uniqueItems", "contains",
+    "prefixItems", "minProperties", "maxProperties", "patternProperties", "propertyNames",
+    "dependentRequired", "dependentSchemas", "$ref", "$defs", "definitions", "anyOf", "oneOf",
+    "allOf", "not", "if", "then", "else",
+})  # fmt: skip
+
+
+def plain_parameters(tool: dict[str, Any], nested: bool) -> bool:
+    """Whether a tool's parameters are an object of values a format's own syntax holds
+    whole: scalars and string enums, and with `nested` objects and lists of those too."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    schema = function.get("parameters") if isinstance(function, dict) else None
+    return _plain_object(schema or {"type": "object", "properties": {}}, nested)
+
+
+def _plain_object(schema: Any, nested: bool) -> bool:
+    if not isinstance(schema, dict) or UNENFORCED & schema.keys():
+        return False
+    props, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(props, dict) or not isinstance(required, list):
+        return False
+    return all(isinstance(r, str) for r in required) and all(
+        _plain_value(p, nested) for p in props.values()
+    )
+
+
+def _plain_value(prop: Any, nested: bool) -> bool:
+    if not isinstance(prop, dict) or UNENFORCED & prop.keys():
+        return False
+    if "const" in prop or "enum" in prop:
+        choices = [prop["const"]] if "const" in prop else prop["enum"]
+        return (
+            isinstance(choices, list) and bool(choices) and all(isinstance(c, str) for c in choices)
+        )
+    kind = prop.get("type")
+    if kind in ("string", "integer", "number", "boolean"):
+        return True
+    if nested and kind == "object":
+        return _plain_object(prop, nested)
+    if nested and kind == "array":
+        return _plain_value(prop.get("items"), nested)
+    return False

@@ -36,8 +36,10 @@ prompt before it only (as after a final answer, whose analysis the template drop
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -59,11 +61,17 @@ def is_harmony(tokenizer: Any) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str):
         return CHANNEL in template and START in template
+    with contextlib.suppress(KeyError, TypeError):
+        return _by_vocabulary[tokenizer]
     vocab = getattr(tokenizer, "get_vocab", None)
-    if not callable(vocab):
-        return False
-    known = vocab()
-    return CHANNEL in known and START in known
+    known = vocab() if callable(vocab) else {}
+    found = CHANNEL in known and START in known
+    with contextlib.suppress(TypeError):  # built once per tokenizer: it is every request's
+        _by_vocabulary[tokenizer] = found
+    return found
+
+
+_by_vocabulary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def route(header: str) -> tuple[str, str]:

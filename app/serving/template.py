@@ -29,7 +29,7 @@ from .errors import APIError
 from .schemas import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mlx_cache_server")
 
 
 def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
@@ -145,6 +145,10 @@ def apply_template(
         except Exception:
             pass
         else:
+            log.info(
+                "The chat template failed without tools (%s: %s); rendered with an empty "
+                "tool list instead.", type(error).__name__, error,
+            )  # fmt: skip
             kwargs["tools"] = []  # for `message_ends`, which renders the same way
             return tokens
     bad = _non_object_arguments(messages)

@@ -97,7 +97,7 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
     if harmony.is_harmony(engine.tokenizer):  # the call in harmony's markup, as written back
         return ToolPlan("forced", shown, harmony.forced_call_grammar(chosen))
     form = call_markup.call_format(engine.tokenizer) if templated else None
-    if form is not None:  # the call in the model's own markup, as its template writes it
+    if form is not None and form.supports(chosen):  # the model's own markup, written back
         marker = call_markup.token_marker(engine.tokenizer)
         grammar = checked(form.grammar(chosen, marker), "tools", strict=False)
         read = (
@@ -139,7 +139,7 @@ def _reader(
         body = generated.removesuffix(form.end) if form.writes_end else generated
         if form.writes_end and body == generated:
             return []  # the grammar did not reach the call's end
-        return text._parse(body) or []
+        return text.parse(body) or []
 
     return read
 
@@ -216,7 +216,7 @@ class ToolCallText:
             at = self.pending.find(self.end) if self.end else -1
             if at < 0:
                 return content, calls
-            parsed = self._parse(self.pending[:at])
+            parsed = self.parse(self.pending[:at])
             if parsed is None:  # not a call after all: the client sees what the model wrote
                 content += self.start + self.pending[: at + len(self.end)]
             calls += parsed or []
@@ -227,11 +227,11 @@ class ToolCallText:
         templates end a call at the end token), else given back as the text it is."""
         rest, self.pending = self.pending, ""
         if self.inside:
-            parsed = self._parse(rest)
+            parsed = self.parse(rest)
             return ("", parsed) if parsed is not None else (self.start + rest, [])
         return rest, []
 
-    def _parse(self, text: str) -> list[ToolCall] | None:
+    def parse(self, text: str) -> list[ToolCall] | None:
         """The calls in one call's markup; None if it is none (a model's slip, or markup
         quoted in its prose), which then stays text: dropping it left replies empty."""
         try:

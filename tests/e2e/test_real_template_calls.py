@@ -29,8 +29,6 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Everywhere else the next prompt reuses the previous one and every token of the call but
 # the one that ended the reply (the template writes its own end of call there).
 NOT_REUSED = {
-    # The call is forced as the server's bare JSON, which the template writes back in its
-    # own markup: the reuse ends at the previous prompt.
     # The template re-renders the previous generation prompt differently (its `<think>`).
     "deepseek-ai-DeepSeek-V3.1.jinja": "the template rewrites the previous turn's thinking",
 }  # fmt: skip

@@ -328,3 +328,65 @@ def test_values_whose_schema_leaves_their_shape_open(tokenizer, path):
     assert accepts(tokenizer, checked(form.grammar([LOOSE]), "tools", strict=False), text)
     parse = importlib.import_module(f"mlx_lm.tool_parsers.{parser_of(path)}").parse_tool_call
     assert parse(text.removesuffix(form.end), [LOOSE])["arguments"] == arguments
+
+
+def qwen3_coder_engine(hf) -> SimpleNamespace:
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    wrapped = SimpleNamespace(
+        has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
+        tool_call_start="<tool_call>", tool_call_end="</tool_call>", encode=hf.encode,
+    )  # fmt: skip
+    return SimpleNamespace(tokenizer=wrapped)
+
+
+def weather_with(prop: dict) -> dict:
+    return {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": prop}, "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "prop",
+    [
+        {"anyOf": [{"type": "string"}, {"type": "null"}]},  # pydantic's Optional[str]
+        {"type": "integer", "enum": [1, 2, 4]},
+        {"type": "integer", "minimum": 1, "maximum": 7},
+        {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+        {"type": "string", "maxLength": 3},
+        {"$ref": "#/$defs/City"},
+        {"type": "object", "properties": {"name": {"type": "string"}}},
+    ],
+    ids=["optional", "integer enum", "bounds", "pattern", "length", "ref", "object"],
+)
+def test_what_a_markup_cannot_hold_is_forced_as_json_that_holds_it(tokenizer, prop):
+    """XML parameters hold a value's type and a string enum, no more: a tool with other
+    keywords gets the bare JSON call, which enforces them, and reads back as written."""
+    from app.serving.schemas import ChatCompletionRequest
+    from app.serving.tools import plan_tools
+
+    tool = weather_with(prop)
+    if "$ref" in prop:
+        tool["function"]["parameters"]["$defs"] = {"City": {"type": "string"}}
+    req = ChatCompletionRequest(model="m", messages=USER, tools=[tool], tool_choice="required")
+    plan = plan_tools(req, qwen3_coder_engine(tokenizer[0]))
+    assert plan.form is None and plan.grammar is not None and plan.prefix == ""
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": [{"a": 1}]},
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": [{"x": 1}]},
+    ],
+    ids=["properties list", "required objects"],
+)
+def test_malformed_parameters_are_the_clients_400_not_a_500(tokenizer, parameters):
+    from app.serving.errors import APIError
+    from app.serving.schemas import ChatCompletionRequest
+    from app.serving.tools import plan_tools
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    req = ChatCompletionRequest(model="m", messages=USER, tools=[tool], tool_choice="required")
+    with pytest.raises(APIError) as refused:
+        plan_tools(req, qwen3_coder_engine(tokenizer[0]))
+    assert refused.value.status == 400
