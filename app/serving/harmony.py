@@ -114,12 +114,12 @@ class HarmonySplit:
 
     def finish(self) -> tuple[str, str, list[ToolCallDelta]]:
         """What was held back, at the reply's end: an unfinished end marker is body text;
-        an unfinished header is markup, unless it is the whole reply (plain text)."""
+        an unfinished header is markup, unless it holds none (plain text)."""
         out, held, self.held = _Pieces(), self.held, ""
         if self.state == "body":
             self._body(held, out)
-        elif not self.opened and held.strip() and "<|" not in held:
-            out.content += held
+        elif held.strip() and "<|" not in held:  # text with no markup, at the start or
+            out.content += held  # after a message's end: the model's words, kept
         return out.reasoning, out.content, out.calls
 
     def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
@@ -144,10 +144,13 @@ class HarmonySplit:
         """One header or one end marker further; False when the held text needs more."""
         if self.state == "header":
             at = self.held.find(MESSAGE)
+            # Read as the stream reads it, whole or not: text with a line break or past
+            # a header's length before any `<|message|>` is no header but plain text.
+            head = self.held if at < 0 else self.held[:at]
+            if "\n" in head or len(head) > HEADER_LIMIT:
+                self.state, self.kind = "body", "content"
+                return True
             if at < 0:
-                if "\n" in self.held or len(self.held) > HEADER_LIMIT:
-                    self.state, self.kind = "body", "content"  # no header: plain text
-                    return True
                 return False
             header, self.held = self.held[:at], self.held[at + len(MESSAGE) :]
             self._open(header, out)

@@ -87,6 +87,19 @@ def test_a_commentary_message_to_a_function_is_a_call():
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "c"}
 
 
+# Plain text whose line break comes before a `<|message|>`, and words after a message's
+# end: a review found the whole reply and the stream reading them differently.
+ODD = ["Sure.\nHere you go<|message|>tail", ANSWER + "<|end|>trailing words"]
+
+
+@pytest.mark.parametrize("text", ODD)
+@pytest.mark.parametrize("size", [1, 2, 5, 13])
+def test_text_that_is_no_message_reads_the_same_streamed_and_whole(text, size):
+    reasoning, content, _ = split().whole(text)
+    assert streamed(text, size)[:2] == (reasoning or "", content or "")
+    assert content.endswith("tail") or content.endswith("trailing words")
+
+
 @pytest.mark.parametrize("text", [ANSWER, CALLING, ANSWER + "<|return|>"])
 @pytest.mark.parametrize("size", [1, 2, 5, 13])
 def test_streaming_piece_by_piece_splits_as_the_whole_reply_does(text, size):
