@@ -153,10 +153,13 @@ def build_tiny_model(
 
 
 def build_agent_model(tokenizer_dir: Path, path: Path, reply: str = "Hello there!",
-                      context: int = 32768, chat_template: str | None = None) -> Path:  # fmt: skip
+                      context: int = 32768, chat_template: str | None = None,
+                      template_kwargs: dict | None = None) -> Path:  # fmt: skip
     """A tiny model under `tokenizer_dir`'s tokenizer and template that answers any chat with
     `reply` and its end token, for real agent clients that need a turn to end.
-    `chat_template` replaces the tokenizer's own (TOOLS_CHATML, for one that knows tools).
+    `chat_template` replaces the tokenizer's own (TOOLS_CHATML, for one that knows tools);
+    `template_kwargs` render the generation prompt as the server will (mlx-lm turns a
+    thinking model's `enable_thinking` on).
 
     Its embeddings are scaled far above what each layer adds (every layer's input is
     normalized), so the last hidden state is the current token's embedding, nearly: the
@@ -182,7 +185,8 @@ def build_agent_model(tokenizer_dir: Path, path: Path, reply: str = "Hello there
     embed = weights["model.embed_tokens.weight"] * 100
     head = weights["lm_head.weight"]
     text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
+                                         add_generation_prompt=True,
+                                         **(template_kwargs or {}))  # fmt: skip
     prompt = tokenizer.encode(text, add_special_tokens=False)
     chain = [prompt[-1], *tokenizer.encode(reply, add_special_tokens=False)]
     chain.append(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
