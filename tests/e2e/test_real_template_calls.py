@@ -1,8 +1,8 @@
 """Forced tool calls and a client's tool loop under the real chat templates of 17 current
 models (tests/fixtures/templates), on tiny random-weight models: the forced call parses and
-validates on chat completions, Messages and Responses, and the request after the tool's
-result is served from the cache through the whole call, wherever the call is written in
-the model's own markup (issue 56)."""
+validates on chat completions, Messages and Responses, the request after the tool's result
+is served from the cache through the whole call, wherever the call is written in the
+model's own markup, and the loop's next user turn is answered (issue 56)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def live(request, tmp_path_factory):
         yield request.param, server
 
 
-def test_a_forced_call_parses_and_the_next_turn_reuses_it(live):
+def test_a_forced_call_parses_the_next_turn_reuses_it_and_the_loop_goes_on(live):
     file, server = live
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     first = client.chat.completions.create(
@@ -73,6 +73,15 @@ def test_a_forced_call_parses_and_the_next_turn_reuses_it(live):
         assert cached < whole, f"{file} now reuses its call: drop it from NOT_REUSED"
     else:
         assert cached >= whole, (file, cached, whole)
+    # The loop's third request, as a client sends it: the model's answer, a new question.
+    answer = second.choices[0].message.content or "It is sunny."
+    history += [{"role": "assistant", "content": answer},
+                {"role": "user", "content": "And in Lyon?"}]  # fmt: skip
+    third = client.chat.completions.create(
+        model="tiny", messages=history, tools=TOOLS, max_tokens=4, temperature=0
+    )
+    assert third.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert third.usage.prompt_tokens > second.usage.prompt_tokens
 
 
 def test_a_forced_call_on_messages_and_responses(live):
