@@ -128,3 +128,14 @@ def start_server(model_dir, *flags: str, log: Path | None = None) -> tuple[subpr
         except httpx.TransportError:
             time.sleep(0.2)
         assert time.monotonic() < deadline
+
+
+@contextmanager
+def server_process(model_dir, log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`start_server` for a `with` block, its output in `log`: stopped at the block's end."""
+    proc, url = start_server(model_dir, log=log)
+    try:
+        yield proc, url
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -34,6 +34,9 @@ PY_INTEGER = r"/0|-?[1-9][0-9]*/"  # as Python prints an int
 _DECIMAL = r"[1-9][0-9]{0,6}\.(0|[0-9]{0,7}[1-9])"  # 1.0, 12.25
 _FRACTION = r"0\.(0|0{0,3}[1-9]([0-9]{0,6}[1-9])?)"  # 0.0, 0.0001, 0.125
 PY_NUMBER = "/0|-?([1-9][0-9]*|" + _DECIMAL + "|" + _FRACTION + ")/"
+# Numbers as Python prints them and booleans as JSON writes them: how both formats'
+# write-backs print a non-string scalar.
+SCALARS = {"integer": PY_INTEGER, "number": PY_NUMBER, "boolean": '("true" | "false")'}
 # A string as json.dumps(ensure_ascii=False) writes it.
 PY_STRING = r'/"([^"\\\x00-\x1f]|\\["\\bfnrt]|\\u00(0[0-7]|0b|0e|0f|1[0-9a-f]))*"/'
 GEMMA_TEXT = r"/[^<\x00]*/"
@@ -121,12 +124,8 @@ class GemmaValues:
     def typed(self, kind: str, prop: dict[str, Any]) -> str:
         if kind == "string":
             return self.string(GEMMA_TEXT)
-        if kind == "integer":
-            return PY_INTEGER
-        if kind == "number":
-            return PY_NUMBER
-        if kind == "boolean":
-            return '("true" | "false")'
+        if kind in SCALARS:
+            return SCALARS[kind]
         if kind == "object" and isinstance(prop.get("properties"), dict):
             return f'"{{" {self.fields(prop)} "}}"'
         if kind == "array" and isinstance(prop.get("items"), dict):
@@ -176,15 +175,9 @@ def python_scalar(prop: dict[str, Any]) -> str | None:
     if isinstance(choices, list) and choices:
         return choice([literal(json.dumps(c, ensure_ascii=False)) for c in choices])
     kind = prop.get("type")
-    if kind == "string":
-        return PY_STRING
-    if kind == "integer":
-        return PY_INTEGER
-    if kind == "number":
-        return PY_NUMBER
-    if kind == "boolean":
-        return '("true" | "false")'
-    return None
+    if not isinstance(kind, str):  # a list of types, or none: no one scalar
+        return None
+    return PY_STRING if kind == "string" else SCALARS.get(kind)
 
 
 # What a format's own value syntax holds a value to: its type, a string enum, an object's

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live import start_server
+from tests.live import server_process
 
 ASK = [{"role": "user", "content": "Say something."}]
 MB = 1 << 20
@@ -23,12 +23,8 @@ MB = 1 << 20
 
 @pytest.fixture(scope="module")
 def own_server(tiny_model_dir, tmp_path_factory):
-    proc, url = start_server(tiny_model_dir, log=tmp_path_factory.mktemp("hostile") / "log")
-    try:
-        yield proc, url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with server_process(tiny_model_dir, tmp_path_factory.mktemp("hostile") / "log") as started:
+        yield started
 
 
 def oai(url: str) -> openai.OpenAI:

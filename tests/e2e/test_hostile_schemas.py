@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.live import start_server
+from tests.live import server_process
 
 ASK = [{"role": "user", "content": "Fill it in."}]
 
@@ -141,12 +141,8 @@ SURFACES = [chat_format, chat_tool, responses_format, responses_tool, messages_t
 
 @pytest.fixture(scope="module")
 def own_server(tiny_model_dir, tmp_path_factory):
-    proc, url = start_server(tiny_model_dir, log=tmp_path_factory.mktemp("hostile") / "log")
-    try:
-        yield proc, url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with server_process(tiny_model_dir, tmp_path_factory.mktemp("hostile") / "log") as started:
+        yield started
 
 
 class SideStreams:
