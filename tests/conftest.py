@@ -100,18 +100,14 @@ def _agent_serving(folder: Path, chat_template: str | None) -> Iterator[tuple[st
     """A server process on `build_agent_model` (the default model's tokenizer, answering
     every chat with "Hello there!"): its URL, and its log file (request lines)."""
     from app.models.default_model import default_model_dir
-    from tests.live import start_server
+    from tests.live import server_process
     from tests.tiny_model import build_agent_model
 
     model = build_agent_model(Path(default_model_dir()), folder / "model",
                               chat_template=chat_template)  # fmt: skip
     log = folder / "server.log"
-    proc, url = start_server(model, log=log)
-    try:
+    with server_process(model, log) as (_, url):
         yield url, log
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from tests.tiny_model import CHARS, CHATML, SPECIAL, UNK, build_tokenizer
+from tests.tiny_model import CHARS, CHATML, SPECIAL, write_tokenizer
 
 VOCAB = len(CHARS) + 1 + len(SPECIAL)
 
@@ -217,18 +217,5 @@ def build_hybrid_model(path: Path, arch: str, seed: int = 0, **config) -> Path:
     weights = {k: _scale(k, v, factor) for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
-    build_tokenizer(SPECIAL).save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": None,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "unk_token": UNK,
-                "chat_template": CHATML,
-                "model_max_length": config["max_position_embeddings"],
-            }
-        )
-    )
+    write_tokenizer(path, SPECIAL, CHATML, max_length=config["max_position_embeddings"])
     return path
