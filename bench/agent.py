@@ -42,8 +42,8 @@ from anthropic import AsyncAnthropic
 from multiturn import RESULTS, WORDS, running
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
-from app.serving.tools import calls_as_text
+from mlx_cache_server.models.default_model import default_model_dir
+from mlx_cache_server.serving.tools import calls_as_text
 
 TOOLS = {
     "Read": {"file_path": "string", "offset": "integer", "limit": "integer"},

@@ -27,7 +27,7 @@ import time
 from multiturn import RESULTS, running, system_prompt
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 BUDGET = 4 * 1024**3
 WORDS = [30, 80, 150, 300, 600, 1000, 1500, 2000]

@@ -21,7 +21,7 @@ import httpx
 from multiturn import RESULTS, Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 
 def unique_messages(i: int, words: int = 150) -> list[dict]:

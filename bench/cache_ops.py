@@ -37,8 +37,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, PromptTrie
 from mlx_lm.models.cache import LRUPromptCache as PeerCache
 
-from prompt_cache import PackedTokens, PromptCache
-from prompt_cache.radix import TOKEN, Node, add_child, pack, split, walk
+from mlx_cache_server.prompt_cache import PackedTokens, PromptCache
+from mlx_cache_server.prompt_cache.radix import TOKEN, Node, add_child, pack, split, walk
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 2, 2, 32, mx.float16
 TAIL = 512  # tokens of each conversation's own

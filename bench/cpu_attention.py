@@ -3,7 +3,7 @@
 Part 1, in this process (default model, float32, OpenBLAS preloaded by the caller, as
 the servers have it):
   - one layer's attention at 4,100 keys (a 100-token chunk: q 1x9x100x64, k/v 1x3x4100x64):
-    MLX's fused kernel, the numpy path (app/runtime/cpu_attention.py), and its two matmuls
+    MLX's fused kernel, the numpy path (runtime/cpu_attention.py), and its two matmuls
     alone (QK^T and PV) as the floor;
   - a forward pass of 100 new tokens on 0, 1k, 4k and 8k cached tokens, timed per op kind
     (each module evaluated on its own: matmuls, attention, norms, RoPE, the MLP's
@@ -16,7 +16,8 @@ alone in turn, greedy, through the `openai` SDK:
     200-word tool result, until the context passes 3,800 tokens; warm TTFT median;
   - greedy agreement of our two attention paths over all those replies.
 
-    LD_PRELOAD=$(python -c 'from app.runtime.blas import find_openblas; print(find_openblas())') \\
+    LD_PRELOAD=$(python -c 'from mlx_cache_server.runtime.blas import find_openblas
+    print(find_openblas())') \\
         python bench/cpu_attention.py [--part 1|2] [--quick]
 """
 
@@ -36,8 +37,8 @@ import mlx.nn as nn
 from multiturn import RESULTS, Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
-from app.runtime import cpu_activations, cpu_attention
+from mlx_cache_server.models.default_model import default_model_dir
+from mlx_cache_server.runtime import cpu_activations, cpu_attention
 
 BUDGET = 4 * 1024**3
 

@@ -22,7 +22,7 @@ import time
 from multiturn import RESULTS, running, system_prompt
 from openai import OpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 BUDGET = 2 * 1024**3
 

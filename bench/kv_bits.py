@@ -27,7 +27,7 @@ from multiturn import RESULTS, Call, running, send, system_prompt
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 BUDGET = 4 * 1024**3
 SERVERS = {

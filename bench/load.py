@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 from multiturn import free_port, wait_ready
 
-from app.models.default_model import NAME, default_model_dir
+from mlx_cache_server.models.default_model import NAME, default_model_dir
 
 RESULTS = Path(__file__).parent / "results"
 SYSTEM = "You are a helpful assistant. Keep answers short and friendly. " * 6
@@ -211,7 +211,7 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or str(default_model_dir())
     port = free_port()
-    cmd = [sys.executable, "-m", "app", "serve", "--model", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "mlx_cache_server", "serve", "--model", model, "--port", str(port),
            "--served-model-name", NAME, "--cache-max-bytes", args.cache_max_bytes,
            "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -28,7 +28,7 @@ from pathlib import Path
 from multiturn import RESULTS, WORDS, running
 from openai import OpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 BUDGET = 2 * 1024**3
 

@@ -22,7 +22,7 @@ import httpx
 from multiturn import RESULTS, running
 from openai import OpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 CACHE_BYTES = 256 * 1024**2
 WORKING = 256 * 1024**2

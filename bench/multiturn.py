@@ -43,9 +43,9 @@ from typing import NamedTuple
 import httpx
 from openai import APIConnectionError, AsyncOpenAI
 
-from app.models.default_model import default_model_dir
-from app.runtime.blas import preload
-from prompt_cache.radix import common_prefix_length
+from mlx_cache_server.models.default_model import default_model_dir
+from mlx_cache_server.prompt_cache.radix import common_prefix_length
+from mlx_cache_server.runtime.blas import preload
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = (
@@ -100,10 +100,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def package(tree: str | None) -> str:
+    """The server's import package in `tree` (this one if None): `app` before it had a name
+    of its own."""
+    root = Path(tree) if tree else Path(__file__).resolve().parents[1]
+    return "mlx_cache_server" if (root / "mlx_cache_server").is_dir() else "app"
+
+
 def start(
     kind: str, model: str, max_sequences: int, max_bytes: int, extra: Sequence[str] = ()
 ) -> Server:
     port = free_port()
+    # "ours@PATH": our server from another checkout (say, the previous commit), run from
+    # its folder so that `-m` imports that tree's code.
+    cwd = kind.partition("@")[2] or None
     if kind == "peer":
         cmd = [
             sys.executable,
@@ -124,7 +134,7 @@ def start(
         cmd = [
             sys.executable,
             "-m",
-            "app",
+            package(cwd),
             "serve",
             "--model",
             model,
@@ -142,9 +152,6 @@ def start(
         if kind == "ours-nocache":
             cmd.append("--no-cache")
         cmd += extra
-    # "ours@PATH": our server from another checkout (say, the previous commit), run from
-    # its folder so that `-m app` imports that tree's code.
-    cwd = kind.partition("@")[2] or None
     env = dict(os.environ, MLX_CACHE_SERVER_BLAS_CHECKED="1")
     # Both servers get the same BLAS; this tree's server, its decode kernels in front.
     if libs := preload(kernels=kind.startswith("ours") and not cwd):

@@ -37,7 +37,7 @@ from multiturn import (
 )
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 NAME = "3-overflow"
 

@@ -46,7 +46,7 @@ from multiturn import (
 )  # fmt: skip
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 HAPROXY = (Path(__file__).parents[1] / "configs" / "haproxy.cfg").read_text()
 

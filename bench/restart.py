@@ -30,7 +30,7 @@ from multiturn import RESULTS, start, stop, system_prompt
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 BUDGET = 4 * 1024**3
 

@@ -104,9 +104,9 @@ def overflow_at(construct: str, stack_kib: int) -> int:
 
 def admitted_cost() -> dict:
     """Seconds the server's check and compile take on the largest schemas it admits."""
-    from app.engine.constraint import DEEP_STACK
-    from app.serving import schema_checks
-    from app.serving.structured import json_grammar
+    from mlx_cache_server.engine.constraint import DEEP_STACK
+    from mlx_cache_server.serving import schema_checks
+    from mlx_cache_server.serving.structured import json_grammar
 
     depth = schema_checks.MAX_DEPTH - 2
     wide = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}} for i in
@@ -126,8 +126,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stack-mib", type=int, default=8)
     args = ap.parse_args()
-    from app.engine.constraint import DEEP_STACK
-    from app.serving.schema_checks import MAX_DEPTH
+    from mlx_cache_server.engine.constraint import DEEP_STACK
+    from mlx_cache_server.serving.schema_checks import MAX_DEPTH
 
     stack = args.stack_mib * 1024**2
     rows = {}

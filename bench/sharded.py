@@ -45,8 +45,8 @@ from pathlib import Path
 from multiturn import RESULTS, Call, free_port, question, send, system_prompt, wait_ready
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
-from app.runtime.blas import preload
+from mlx_cache_server.models.default_model import default_model_dir
+from mlx_cache_server.runtime.blas import preload
 
 
 @contextmanager
@@ -57,7 +57,8 @@ def started(setup: str, model: str):
     ranks = ranks.removesuffix("p")
     port = free_port()
     if kind == "ours":
-        serve = ["-m", "app", "serve", "--model", model, "--served-model-name", "bench",
+        serve = ["-m", "mlx_cache_server", "serve", "--model", model,
+                 "--served-model-name", "bench",
                  "--log-level", "warning", "--port", str(port), *pipeline]  # fmt: skip
     else:
         serve = ["-m", "mlx_lm.server", "--model", model, "--port", str(port), *pipeline]

@@ -25,7 +25,7 @@ import statistics
 from multiturn import RESULTS, Call, running, send
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 BUDGET = 4 * 1024**3
 

@@ -31,7 +31,7 @@ replies are identical across servers.
 The plot (`--out` with .png: each workload's tokens/s by server) is drawn after a run, and
 from a saved result with `--report`.
 
-`--pass-cost` measures instead what the batch rule in `app/engine/speculative.py` rests on:
+`--pass-cost` measures instead what the batch rule in `engine/speculative.py` rests on:
 one forward pass of the default model over B rows (`--pass-rows`), D of them P positions long
 and the others 1 (padded to P, as a verification pass runs them; B x P at most 64), at 1,500
 tokens of context, in-process, against P=1 (median of 10 passes; printed, no result file).
@@ -55,12 +55,16 @@ import httpx
 from multiturn import RESULTS, free_port, running
 from openai import OpenAI
 
-from app.models.default_model import default_model_dir
-from app.runtime.blas import reexec_preloaded
+from mlx_cache_server.models.default_model import default_model_dir
+from mlx_cache_server.runtime.blas import reexec_preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ["app/engine/drafting.py", "app/engine/speculative.py", "prompt_cache/eviction.py",
-         "app/engine/placement.py"]  # fmt: skip
+FILES = [
+    "mlx_cache_server/engine/drafting.py",
+    "mlx_cache_server/engine/speculative.py",
+    "mlx_cache_server/prompt_cache/eviction.py",
+    "mlx_cache_server/engine/placement.py",
+]
 WORKLOADS = ["edit-1", "edit-4", "edit-8", "chat-1", "mixed-edit", "mixed-chat", "sharegpt"]
 QUESTIONS = ["Why is the sky blue?", "Name three uses of copper.", "What is a prime number?",
              "How do bees make honey?"]  # fmt: skip
@@ -161,9 +165,9 @@ def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache
 
-    from app.engine.last_logits import positions_logits
-    from app.runtime import cpu_fast_path
-    from app.runtime.live_positions import live_positions
+    from mlx_cache_server.engine.last_logits import positions_logits
+    from mlx_cache_server.runtime import cpu_fast_path
+    from mlx_cache_server.runtime.live_positions import live_positions
 
     model, _ = load(str(default_model_dir()))
     cpu_fast_path.install(model)  # as the server runs it

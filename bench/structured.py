@@ -30,7 +30,7 @@ from pathlib import Path
 from multiturn import RESULTS, running
 from openai import OpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 SCHEMA = {
     "type": "object",

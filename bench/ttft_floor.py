@@ -35,7 +35,7 @@ import mlx.core as mx
 from multiturn import RESULTS, Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 BUDGET = 4 * 1024**3
 CHUNK = 512
@@ -119,9 +119,9 @@ def main() -> None:
     args = ap.parse_args()
     from mlx_lm import load
 
-    from app.runtime import cpu_activations, cpu_attention
-    from app.runtime.blas import describe
-    from app.runtime.memory import limit_buffer_pool
+    from mlx_cache_server.runtime import cpu_activations, cpu_attention
+    from mlx_cache_server.runtime.blas import describe
+    from mlx_cache_server.runtime.memory import limit_buffer_pool
 
     blas, fast = describe()
     if not fast:

@@ -25,7 +25,7 @@ import statistics
 from multiturn import RESULTS, Call, question, running, send, system_prompt
 from openai import AsyncOpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 
 
 async def paired(ours_port: int, peer_port: int, peer_model: str, convs: int, turns: int) -> list:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.runtime.blas import reexec_preloaded, to_preload
+from mlx_cache_server.runtime.blas import reexec_preloaded, to_preload
 from tests.tiny_model import build_tiny_model
 
 
@@ -99,7 +99,7 @@ def tools_uncached(tiny_tools_model_dir: Path):
 def _agent_serving(folder: Path, chat_template: str | None) -> Iterator[tuple[str, Path]]:
     """A server process on `build_agent_model` (the default model's tokenizer, answering
     every chat with "Hello there!"): its URL, and its log file (request lines)."""
-    from app.models.default_model import default_model_dir
+    from mlx_cache_server.models.default_model import default_model_dir
     from tests.live import server_process
     from tests.tiny_model import build_agent_model
 

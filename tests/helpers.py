@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.engine import Failed, Finished
+from mlx_cache_server.engine import Failed, Finished
 
 # A tool's parameters that bound every value, so a forced call always ends: as each API
 # (chat tools, Anthropic's input_schema, Responses' function tools) wraps it.

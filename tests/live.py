@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from app.engine import Engine
-from app.models.pool import ModelPool
-from app.server import build_engine, create_app
-from app.server.connections import uvicorn_config
-from app.serving.metrics import Metrics
-from app.settings import Settings
+from mlx_cache_server.engine import Engine
+from mlx_cache_server.models.pool import ModelPool
+from mlx_cache_server.server import build_engine, create_app
+from mlx_cache_server.server.connections import uvicorn_config
+from mlx_cache_server.serving.metrics import Metrics
+from mlx_cache_server.settings import Settings
 
 
 def free_port() -> int:
@@ -104,7 +104,8 @@ def serving(model_dir: str, **settings) -> Iterator[LiveServer]:
 
 
 def start_server(model_dir, *flags: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m app serve` on the model, as a user starts it; returns once it answers.
+    """`python -m mlx_cache_server serve` on the model, as a user starts it; returns once it
+    answers.
 
     Its output comes on `proc.stdout`, or with `log` goes to that file: a server that
     logs much (one line per request) must not write to a pipe nobody reads, which fills
@@ -112,7 +113,7 @@ def start_server(model_dir, *flags: str, log: Path | None = None) -> tuple[subpr
     port = free_port()
     out = log.open("w") if log is not None else subprocess.PIPE
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--model", str(model_dir),
+        [sys.executable, "-m", "mlx_cache_server", "serve", "--model", str(model_dir),
          "--port", str(port), "--served-model-name", "tiny", *flags],
         stdout=out, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
     )  # fmt: skip

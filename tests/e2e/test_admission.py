@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from app.engine import Delta, Finished, SamplingParams, Started
-from app.engine.request import Request
-from app.server import build_engine
-from app.settings import Settings
-from prompt_cache import PackedTokens
-from prompt_cache.radix import common_prefix_length, pack
+from mlx_cache_server.engine import Delta, Finished, SamplingParams, Started
+from mlx_cache_server.engine.request import Request
+from mlx_cache_server.prompt_cache import PackedTokens
+from mlx_cache_server.prompt_cache.radix import common_prefix_length, pack
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 
 SYSTEM = "You are a careful assistant who answers briefly and precisely. " * 5

@@ -264,7 +264,7 @@ def test_max_tokens_past_what_fits_is_lowered_not_refused_on_every_api(tiny_mode
 
 
 def test_pings_keep_a_slow_stream_alive(tools_live, monkeypatch):
-    import app.serving.anthropic as messages_api
+    import mlx_cache_server.serving.anthropic as messages_api
 
     monkeypatch.setattr(messages_api, "PING_EVERY", 0.0005)
     body = {"model": "tiny", "max_tokens": 40, "messages": HELLO, "stream": True}

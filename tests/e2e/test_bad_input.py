@@ -152,7 +152,7 @@ def test_bad_requests_leave_the_cache_and_server_intact(server):
 def test_an_unexpected_error_is_a_500_that_says_only_what_the_client_can_use(
     server, monkeypatch, caplog
 ):
-    import app.serving.chat as chat
+    import mlx_cache_server.serving.chat as chat
 
     def broken(*args):
         raise RuntimeError("secret internal detail")

@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.runtime import native
-from app.runtime.blas import describe, find_openblas, openblas_loaded
+from mlx_cache_server.runtime import native
+from mlx_cache_server.runtime.blas import describe, find_openblas, openblas_loaded
 from tests.live import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -29,7 +29,7 @@ def test_a_process_reexecutes_itself_with_the_kernels_in_front_of_openblas():
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",)}
     env.pop("MLX_CACHE_SERVER_BLAS_CHECKED", None)
     code = (
-        "from app.runtime.blas import reexec_preloaded\n"
+        "from mlx_cache_server.runtime.blas import reexec_preloaded\n"
         "reexec_preloaded(['-c', 'import os; print(os.environ[\"LD_PRELOAD\"])'])\n"
         "print('not re-executed')\n"
     )
@@ -55,7 +55,7 @@ def test_a_start_in_a_project_with_its_own_app_runs_the_server_without_a_usable_
     (project / "app" / "__init__.py").write_text("print('the project app was imported')\n")
     (project / "app" / "__main__.py").write_text("print('the project app ran')\n")
     script = tmp_path / "mlx-cache-server"
-    script.write_text("import sys\nfrom app.cli import main\nsys.exit(main())\n")
+    script.write_text("import sys\nfrom mlx_cache_server.cli import main\nsys.exit(main())\n")
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     env = {k: v for k, v in os.environ.items() if k not in RE_EXEC_ENV}

@@ -8,8 +8,8 @@ import time
 
 import mlx.core as mx
 
-from prompt_cache import PromptCache
-from prompt_cache.radix import iter_nodes
+from mlx_cache_server.prompt_cache import PromptCache
+from mlx_cache_server.prompt_cache.radix import iter_nodes
 from tests.fakes import BYTES_PER_TOKEN, kv_cache, same_state
 from tests.unit.test_prompt_cache_concurrent import assert_consistent
 

@@ -9,7 +9,13 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from app.runtime import cpu_activations, cpu_attention, cpu_logprobs, kernel_attention, native
+from mlx_cache_server.runtime import (
+    cpu_activations,
+    cpu_attention,
+    cpu_logprobs,
+    kernel_attention,
+    native,
+)
 from tests.live import serving
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-only path")

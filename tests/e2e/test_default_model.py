@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from app.models.default_model import NAME, default_model_dir
+from mlx_cache_server.models.default_model import NAME, default_model_dir
 from tests.live import free_port
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -40,7 +40,7 @@ def test_tokenizer_round_trips_digits_unicode_and_chatml(smollm):
 
 
 def test_each_tokens_own_bytes_join_into_the_text(smollm):
-    from app.engine.text import token_bytes
+    from mlx_cache_server.engine.text import token_bytes
 
     _, tok = smollm
     text = "naïve café, 日本語, emoji 🙂 <|im_end|>"
@@ -64,7 +64,7 @@ def test_server_without_model_flag_serves_the_default_model():
     port = free_port()
     default_model_dir()  # imported beforehand, so start-up is quick
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "serve", "--port", str(port)],
+        [sys.executable, "-m", "mlx_cache_server", "serve", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -14,7 +14,7 @@ import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 
-from app.models.default_model import default_model_dir
+from mlx_cache_server.models.default_model import default_model_dir
 from tests.live import serving
 
 WEATHER = {"type": "function", "function": {

@@ -145,7 +145,7 @@ def test_an_unreadable_warm_prompts_file_stops_the_start_with_a_message(tiny_mod
     bad = tmp_path / "warm.json"
     bad.write_text('{"not": "a list"}')
     done = subprocess.run(
-        [sys.executable, "-m", "app", "serve", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "mlx_cache_server", "serve", "--model", str(tiny_model_dir),
          "--warm-prompts", str(bad)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

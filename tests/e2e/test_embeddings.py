@@ -13,7 +13,7 @@ import openai
 import pytest
 from mlx_lm import load
 
-from app.models.specs import ModelSpec
+from mlx_cache_server.models.specs import ModelSpec
 from tests.e2e.test_models import client, serving_models
 from tests.tiny_model import build_tiny_model
 
@@ -145,7 +145,7 @@ def test_text_no_tokenizer_takes_is_a_400_not_a_500(live):
 def test_a_hub_model_not_downloaded_yet_is_fetched_to_learn_its_kind(
     embedding_dir, tiny_model_dir, monkeypatch
 ):
-    import app.server.loader as loader
+    import mlx_cache_server.server.loader as loader
 
     hub = {"org/embedder": embedding_dir, "org/chatter": tiny_model_dir}  # "downloaded" here
     monkeypatch.setattr(loader, "fetched_path", lambda spec, progress=None: str(hub[spec.path]))

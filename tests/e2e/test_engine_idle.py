@@ -10,10 +10,10 @@ import time
 import mlx.core as mx
 import pytest
 
-from app.engine import Failed, Finished, SamplingParams
-from app.runtime import memory
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.engine import Failed, Finished, SamplingParams
+from mlx_cache_server.runtime import memory
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import FakeClock, wait_until
 
 
@@ -78,7 +78,7 @@ def test_the_heap_is_trimmed_each_time_the_engine_goes_idle(tiny_model_dir, monk
 
 FREE_AND_MEASURE = r"""
 import ctypes, sys
-from app.runtime.memory import trim_heap
+from mlx_cache_server.runtime.memory import trim_heap
 
 block, count, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 libc = ctypes.CDLL("libc.so.6")
@@ -126,7 +126,7 @@ def test_trimming_returns_freed_heap_pages_to_the_system():
 POOLED_AFTER_FREE = r"""
 import sys
 import mlx.core as mx
-from app.runtime.memory import limit_buffer_pool
+from mlx_cache_server.runtime.memory import limit_buffer_pool
 
 if sys.argv[1] == "limit":
     assert limit_buffer_pool(4 << 20)
@@ -146,9 +146,9 @@ def test_the_cpu_buffer_pool_keeps_at_most_its_limit():
 HELD_AFTER_A_REQUEST = r"""
 import os, sys, threading, time
 import mlx.core as mx
-from app.engine import Failed, Finished, SamplingParams
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.engine import Failed, Finished, SamplingParams
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import FakeClock, wait_until
 
 engine = build_engine(Settings(), sys.argv[1])
@@ -167,7 +167,7 @@ time.sleep(0.2)
 held = mx.get_active_memory() - before - engine.cache.nbytes
 engine.stop()
 print(len(prompt), 100 * held // engine.cache.nbytes, flush=True)
-os._exit(0)  # MLX's threads can abort interpreter teardown (see app.cli)
+os._exit(0)  # MLX's threads can abort interpreter teardown (see mlx_cache_server.cli)
 """
 
 

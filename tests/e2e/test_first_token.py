@@ -11,9 +11,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from app.engine import Delta, Failed, Finished, SamplingParams, Started
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Say hello in French."]

@@ -12,8 +12,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm import load
 from mlx_lm.models import llama
 
-from app.cli import main
-from app.models.gguf import GGUFError, import_gguf, unpermute
+from mlx_cache_server.cli import main
+from mlx_cache_server.models.gguf import GGUFError, import_gguf, unpermute
 
 CONFIG = {
     "model_type": "llama",

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from prompt_cache import PromptCache
-from prompt_cache.radix import common_prefix_length
+from mlx_cache_server.prompt_cache import PromptCache
+from mlx_cache_server.prompt_cache.radix import common_prefix_length
 
 SYSTEM = "You are a terse assistant. Answer in one line. " * 6
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.e2e.test_reasoning import Scripted
 from tests.live import LiveServer
 from tests.tiny_model import CHARS, SPECIAL, build_tiny_model, build_tokenizer

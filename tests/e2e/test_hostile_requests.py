@@ -157,8 +157,8 @@ def test_a_plain_chat_is_answered_while_grammars_hold_every_grammar_thread(serve
     ends while they are all still held), and they are answered once let go. There are
     more of them than asyncio's default pool has threads, which they used to share with
     every chat's templating."""
-    from app.serving import chat as chat_module
-    from app.serving.workers import GRAMMARS
+    from mlx_cache_server.serving import chat as chat_module
+    from mlx_cache_server.serving.workers import GRAMMARS
     from tests.helpers import wait_until
 
     release, entered = threading.Event(), []

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from prompt_cache.radix import common_prefix_length
+from mlx_cache_server.prompt_cache.radix import common_prefix_length
 from tests.hybrid_models import ARCHS, build_hybrid_model
 from tests.live import serving
 
@@ -146,7 +146,7 @@ def test_a_window_model_resumes_where_two_messages_part(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
 def test_a_warm_prompt_is_where_the_first_request_resumes(arch, tmp_path):
-    from app.serving.warm import warm
+    from mlx_cache_server.serving.warm import warm
 
     path = build_hybrid_model(tmp_path / arch, arch)
     system = {"role": "system", "content": SYSTEM}
@@ -202,7 +202,7 @@ def test_quantized_attention_beside_recurrent_layers(tmp_path):
 
 
 def test_segments_leave_no_one_token_step():
-    from app.engine.batch import segment_cuts
+    from mlx_cache_server.engine.batch import segment_cuts
 
     assert segment_cuts(0, 100, 0, (40, 98, 99)) == [40, 98]  # 99 is one past 98
     assert segment_cuts(0, 100, 50, (49, 51, 60)) == [50, 60]  # the waited-for prefix first
@@ -218,7 +218,7 @@ def test_a_batch_of_windows_after_one_token_steps_matches_a_lone_run(tmp_path):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from app.engine.generator import MixedGenerator
+    from mlx_cache_server.engine.generator import MixedGenerator
 
     model, _ = load(str(build_hybrid_model(tmp_path / "gemma3_text", "gemma3_text")))
 

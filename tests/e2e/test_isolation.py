@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-import app.engine.batch
-import app.engine.request
-from app.engine import Delta, Engine, Failed, Finished, SamplingParams
-from app.server import build_engine
-from app.settings import Settings
+import mlx_cache_server.engine.batch
+import mlx_cache_server.engine.request
+from mlx_cache_server.engine import Delta, Engine, Failed, Finished, SamplingParams
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 
 QUESTIONS = ["What is two plus two?", "Name a colour.", "Say hello in French."]
@@ -54,8 +54,8 @@ def fails_after(calls: int, fn):
 @pytest.fixture
 def faulty(monkeypatch):
     """Break the sampler of requests with top_p=0.5 and a processor of presence_penalty=0.5."""
-    real_sampler = app.engine.request.make_sampler
-    real_processors = app.engine.request.make_processors
+    real_sampler = mlx_cache_server.engine.request.make_sampler
+    real_processors = mlx_cache_server.engine.request.make_processors
 
     def make_sampler(temperature, top_p, *args):
         sampler = real_sampler(temperature, top_p, *args)
@@ -67,8 +67,8 @@ def faulty(monkeypatch):
             processors = [*processors, fails_after(3, lambda _tokens, logits: logits)]
         return processors
 
-    monkeypatch.setattr(app.engine.request, "make_sampler", make_sampler)
-    monkeypatch.setattr(app.engine.request, "make_processors", make_processors)
+    monkeypatch.setattr(mlx_cache_server.engine.request, "make_sampler", make_sampler)
+    monkeypatch.setattr(mlx_cache_server.engine.request, "make_processors", make_processors)
 
 
 def solo_runs(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
@@ -160,7 +160,7 @@ def test_requests_taken_when_the_batch_cannot_start_are_answered(tiny_model_dir,
     def broken(*args, **kwargs):
         raise RuntimeError("no memory for a new batch (simulated)")
 
-    monkeypatch.setattr(app.engine.batch, "MixedGenerator", broken)
+    monkeypatch.setattr(mlx_cache_server.engine.batch, "MixedGenerator", broken)
     sinks: list[list[Any]] = [[] for _ in QUESTIONS]
     for q, sink in zip(QUESTIONS, sinks, strict=True):
         engine.submit(prompt(engine.tokenizer, q), GREEDY, sink.append)

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from app.engine import SamplingParams
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.engine import SamplingParams
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
 from tests.live import serving, start_server
 

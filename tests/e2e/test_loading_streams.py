@@ -17,8 +17,8 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionChunk
 
-from app.models.specs import ModelSpec
-from app.server import loading
+from mlx_cache_server.models.specs import ModelSpec
+from mlx_cache_server.server import loading
 from tests.e2e.test_models import serving_models
 from tests.helpers import wait_until
 from tests.tiny_model import build_tiny_model

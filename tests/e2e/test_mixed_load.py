@@ -10,9 +10,9 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from app.engine import Delta, Failed, Finished, SamplingParams, Started, placement
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started, placement
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 
 
@@ -56,8 +56,8 @@ def test_a_long_prompt_prefills_in_chunks_between_the_running_streams_tokens(tin
 
 
 def test_openai_streams_keep_alive_with_comments_the_sdks_skip(server, monkeypatch):
-    import app.serving.responses as responses_api
-    import app.serving.sse as sse
+    import mlx_cache_server.serving.responses as responses_api
+    import mlx_cache_server.serving.sse as sse
 
     monkeypatch.setattr(sse, "KEEP_ALIVE_EVERY", 0.0005)
     monkeypatch.setattr(responses_api, "KEEP_ALIVE_EVERY", 0.0005)
@@ -142,7 +142,7 @@ def running_stream(tiny_model_dir: Any) -> tuple[Any, list[int], list[Any]]:
 
 
 def test_a_failing_last_chunk_fails_its_prompt_only(tiny_model_dir, monkeypatch, caplog):
-    import app.engine.prompts as batch_module  # where the batch prefills a lone prompt
+    import mlx_cache_server.engine.prompts as batch_module  # where the batch prefills a lone prompt
 
     long: list[Any] = []
     engine, tokens, running = running_stream(tiny_model_dir)
@@ -218,7 +218,7 @@ def test_a_long_prompt_beside_short_streams_decodes_in_a_batch_of_its_own(tiny_m
 def test_a_prompt_with_nothing_cached_taken_out_for_its_last_chunk_keeps_its_free_slots(
     tiny_model_dir, monkeypatch
 ):
-    import app.engine.batch as batch_module
+    import mlx_cache_server.engine.batch as batch_module
 
     taken: list[tuple[int, int]] = []  # (slots in its buffer, tokens held) per layer 0
     take_out = batch_module.Batch._take_out
@@ -247,7 +247,7 @@ def test_a_prompt_with_nothing_cached_taken_out_for_its_last_chunk_keeps_its_fre
 def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
     tiny_model_dir, how, monkeypatch
 ):
-    import app.engine.batch as batch_module
+    import mlx_cache_server.engine.batch as batch_module
 
     placed: list[int] = []
 
@@ -256,7 +256,7 @@ def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
         return placed[-1]
 
     stored: list[int] = []  # tokens of each KV the batch put into the cache
-    import app.engine.exits as exits  # where the batch stores a sequence's KV
+    import mlx_cache_server.engine.exits as exits  # where the batch stores a sequence's KV
 
     store = exits.store
 
@@ -329,7 +329,7 @@ def text(sink: list[Any]) -> str:
 def test_a_long_prompts_chunks_run_in_the_streams_pass_and_change_no_output(
     tiny_model_dir, monkeypatch
 ):
-    import app.engine.generator as generator
+    import mlx_cache_server.engine.generator as generator
 
     together: list[list[tuple[int, ...]]] = []  # each pass run together: its parts' shapes
     forward_together = generator.forward_together
@@ -384,7 +384,7 @@ def test_a_long_prompts_chunks_run_in_the_streams_pass_and_change_no_output(
 def test_a_prompt_prefilled_beside_streams_is_cached_chunk_by_chunk(tiny_model_dir, monkeypatch):
 
     stored: list[int] = []  # tokens of each state the long prompt's request put in the cache
-    import app.engine.exits as exits  # where the batch stores a sequence's KV
+    import mlx_cache_server.engine.exits as exits  # where the batch stores a sequence's KV
 
     store = exits.store
 

@@ -14,10 +14,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from app.models.specs import ModelSpec
-from app.server.loader import model_pool
-from app.serving.metrics import Metrics
-from app.settings import Settings
+from mlx_cache_server.models.specs import ModelSpec
+from mlx_cache_server.server.loader import model_pool
+from mlx_cache_server.serving.metrics import Metrics
+from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
 from tests.live import LiveServer
 from tests.tiny_model import build_tiny_model
@@ -300,7 +300,7 @@ def test_anthropic_and_responses_requests_name_their_model_too(tiny_model_dir, s
 
 
 def test_a_gguf_file_in_the_models_is_imported_once_and_served(tmp_path, monkeypatch):
-    from app.models.default_model import gguf_target
+    from mlx_cache_server.models.default_model import gguf_target
     from tests.e2e.test_gguf import write_gguf
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -299,9 +299,9 @@ def test_sigterm_finishes_running_streams_then_exits(tiny_model_dir):
 def test_a_plain_start_bounds_the_cache_by_the_memory_and_keeps_responses_private(
     tiny_model_dir, tmp_path
 ):
-    from app.runtime.memory import machine_memory
-    from app.serving.response_file import stored_responses_path
-    from app.settings import default_cache_bytes
+    from mlx_cache_server.runtime.memory import machine_memory
+    from mlx_cache_server.serving.response_file import stored_responses_path
+    from mlx_cache_server.settings import default_cache_bytes
 
     proc, url = start_server(tiny_model_dir, "--cache-dir", str(tmp_path))
     try:

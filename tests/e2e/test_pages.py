@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from app.server.routes.ui import STATIC
+from mlx_cache_server.server.routes.ui import STATIC
 from tests.live import serving
 
 
@@ -101,7 +101,7 @@ def test_the_feed_sends_the_tree_as_an_event_and_is_admin_only(tiny_model_dir):
 
 
 def test_the_feed_sends_what_changed_only_and_ends_when_the_server_drains(tiny_model_dir):
-    from app.server.routes.cache import MAX_VIEWS
+    from mlx_cache_server.server.routes.cache import MAX_VIEWS
 
     with serving(str(tiny_model_dir), served_model_name="tiny") as live:
         for n in range(1, 3 * MAX_VIEWS):  # feeds of many sizes: only the last few views kept

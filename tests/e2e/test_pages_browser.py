@@ -28,7 +28,7 @@ WAIT = 60
 
 @pytest.fixture(scope="module")
 def reply_model(tmp_path_factory) -> Path:
-    from app.models.default_model import default_model_dir
+    from mlx_cache_server.models.default_model import default_model_dir
     from tests.tiny_model import build_agent_model
 
     folder = tmp_path_factory.mktemp("pages")

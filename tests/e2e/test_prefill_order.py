@@ -1,14 +1,14 @@
 """Prompts start prefilling shortest first, and a short one does not wait for a long prefill
-(`app.engine.schedule`, carried out by the batch). Orders of events, not times."""
+(`mlx_cache_server.engine.schedule`, carried out by the batch). Orders of events, not times."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
-from app.engine import Delta, Finished, SamplingParams, Started
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.engine import Delta, Finished, SamplingParams, Started
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 
 
@@ -152,7 +152,7 @@ def test_a_prompt_prefilled_in_the_batch_is_cached_before_its_reply_ends(tiny_mo
 def test_requests_taken_from_the_queue_are_answered_when_admitting_them_fails(
     tiny_model_dir, monkeypatch
 ):
-    import app.engine.entering as batch  # where the batch plans admissions
+    import mlx_cache_server.engine.entering as batch  # where the batch plans admissions
 
     engine = build_engine(Settings(prefill_step_size=16), str(tiny_model_dir))
     real, calls = batch.plan_admission, []

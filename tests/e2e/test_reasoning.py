@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.live import LiveServer
 from tests.tiny_model import THINK_CHATML, build_tiny_model
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-import app.serving.chat as chat
+import mlx_cache_server.serving.chat as chat
 from tests.helpers import wait_until
 from tests.live import serving
 

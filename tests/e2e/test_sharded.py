@@ -52,7 +52,7 @@ def launched(model: Path, *flags: str, log: Path) -> Iterator[tuple[subprocess.P
     ring = free_port_run(2, {port})
     command = [
         str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(ring),
-        "--python", sys.executable, "--", "-m", "app", "serve", "--model", str(model),
+        "--python", sys.executable, "--", "-m", "mlx_cache_server", "serve", "--model", str(model),
         "--port", str(port), "--served-model-name", "tiny", *flags,
     ]  # fmt: skip
     with log.open("wb") as out:
@@ -205,7 +205,7 @@ def test_heads_that_do_not_split_over_the_processes_stop_the_start(tmp_path):
     ring = free_port_run(2, {port})
     command = [
         str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(ring),
-        "--python", sys.executable, "--", "-m", "app", "serve", "--model", str(model),
+        "--python", sys.executable, "--", "-m", "mlx_cache_server", "serve", "--model", str(model),
         "--port", str(port),
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -227,7 +227,7 @@ def test_a_request_after_a_rank_died_while_idle_gets_an_error(models, tmp_path):
     port = free_port()
     ring = free_port_run(2, {port})
     hostfile.write_text(json.dumps([[f"127.0.0.1:{ring}"], [f"127.0.0.1:{ring + 1}"]]))
-    command = [sys.executable, "-m", "app", "serve", "--model", str(models["tensor"]),
+    command = [sys.executable, "-m", "mlx_cache_server", "serve", "--model", str(models["tensor"]),
                "--port", str(port), "--served-model-name", "tiny"]  # fmt: skip
     ranks = [
         subprocess.Popen(

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from app.engine import Delta, Failed, Finished, SamplingParams, Started
-from app.runtime.blas import describe as describe_blas
-from app.server import build_engine
-from app.settings import Settings
+from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started
+from mlx_cache_server.runtime.blas import describe as describe_blas
+from mlx_cache_server.server import build_engine
+from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
 
 # Without a fast BLAS the server turns speculation off (a pass over a draft costs more).
@@ -66,7 +66,7 @@ def prompt_of(engine, text: str = SOURCE) -> list[int]:
 
 @pytest.fixture(scope="module", params=["tiny", "default"])
 def engines(request, tiny_model_dir):
-    from app.models.default_model import default_model_dir
+    from mlx_cache_server.models.default_model import default_model_dir
 
     model = str(tiny_model_dir if request.param == "tiny" else default_model_dir())
     on, off = engine_for(model, True), engine_for(model, False)
@@ -202,7 +202,7 @@ def test_two_streams_verify_drafts_together_and_decode_as_without(engines, monke
     """A second stream joins the first: they verify their drafts in one pass (the short
     one runs beside the long one throughout, rows of unequal drafts computed as far as
     each goes: `live_positions`), and every reply is as without speculation."""
-    import app.engine.speculative as speculative
+    import mlx_cache_server.engine.speculative as speculative
 
     ragged, live = [], speculative.live_positions
 
@@ -230,9 +230,9 @@ def test_eight_streams_verify_their_drafts_in_one_pass_and_decode_as_without(eng
     """As many streams as a pass verifies (`MAX_ROWS`; `PADDED_ROWS` where a pass computes
     its fillers), started together: their passes hold every row, and each reply is as
     without speculation."""
-    import app.engine.generator as generator
-    from app.engine.speculative import MAX_ROWS, PADDED_ROWS
-    from app.runtime.kernel_block import skips_fillers
+    import mlx_cache_server.engine.generator as generator
+    from mlx_cache_server.engine.speculative import MAX_ROWS, PADDED_ROWS
+    from mlx_cache_server.runtime.kernel_block import skips_fillers
 
     rows, verify = [], generator.verify
     most = MAX_ROWS if skips_fillers(engines[0].model) else PADDED_ROWS
@@ -299,8 +299,8 @@ def test_streams_decoding_together_draft_from_the_draft_model_in_one_pass(
     """Three streams with nothing to look up, decoding together: the draft model drafts for
     all of them in one batch (its passes seen with several rows), each reply the plain one;
     where the draft model is the target itself, every draft is what the stream went on with."""
-    from app.engine.draft_model import DraftBatch
-    from app.models.default_model import default_model_dir
+    from mlx_cache_server.engine.draft_model import DraftBatch
+    from mlx_cache_server.models.default_model import default_model_dir
     from tests.tiny_model import build_tiny_model
 
     calls, draft = [], DraftBatch.draft
@@ -343,15 +343,15 @@ def test_streams_decoding_together_draft_from_the_draft_model_in_one_pass(
 
 
 def test_a_draft_model_of_another_tokenizer_is_refused(tiny_model_dir):
-    from app.models.default_model import default_model_dir
+    from mlx_cache_server.models.default_model import default_model_dir
 
     with pytest.raises(ValueError, match="another tokenizer"):
         build_engine(Settings(draft_model=str(default_model_dir())), str(tiny_model_dir))
 
 
 def test_a_draft_model_goes_with_one_model_and_no_sharding(tiny_model_dir):
-    from app.models.specs import model_specs
-    from app.server.sharded import refusal
+    from mlx_cache_server.models.specs import model_specs
+    from mlx_cache_server.server.sharded import refusal
 
     two = Settings(model=str(tiny_model_dir), models=[{"path": str(tiny_model_dir), "id": "b"}],
                    draft_model="x")  # fmt: skip
@@ -366,8 +366,8 @@ def test_a_stop_string_and_the_limit_in_one_draft_leave_the_kv_for_the_next_turn
     """Drafts from an oracle (the plain reply), so that one draft holds both a stop string
     and the token where `max_tokens` ends the sequence in mlx-lm's batch: the reply ends at
     the stop string, and its KV still goes to the cache for the next turn."""
-    import app.engine.generator as generator
-    from app.engine.speculative import can_verify
+    import mlx_cache_server.engine.generator as generator
+    from mlx_cache_server.engine.speculative import can_verify
 
     off = engine_for(str(tiny_model_dir), False)
     prompt = list(off.tokenizer.encode("Copy this: the quick brown fox jumps over it. " * 3))
@@ -410,7 +410,7 @@ def test_a_seeded_chat_completion_is_the_same_with_drafts_through_the_sdk():
     import httpx
     from openai import OpenAI
 
-    from app.models.default_model import default_model_dir
+    from mlx_cache_server.models.default_model import default_model_dir
     from tests.live import serving
 
     messages = [{"role": "user", "content": "Repeat this file exactly:\n" + SOURCE}]

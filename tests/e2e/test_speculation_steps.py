@@ -23,8 +23,8 @@ def generate_many(model, prompts: list[list[int]], limits: list[int], eos: int, 
     stream, sample (greedy without)."""
     import mlx.core as mx
 
-    from app.engine.generator import MixedGenerator
-    from app.engine.speculative import can_verify
+    from mlx_cache_server.engine.generator import MixedGenerator
+    from mlx_cache_server.engine.speculative import can_verify
 
     gen = MixedGenerator(model, speculation=oracles is not None, max_tokens=max(limits),
                          stop_tokens=[[eos]])  # fmt: skip
@@ -154,8 +154,8 @@ def test_each_stream_keeps_what_it_accepted_and_streams_without_drafts_ride_alon
     rejected left as gaps its mask hides (`close_up`: closed up as soon as there are two);
     replies, ends, KV and logprobs are those of plain steps."""
 
-    from app.engine import gapped_cache
-    from app.engine.gapped_cache import GappedKVCache
+    from mlx_cache_server.engine import gapped_cache
+    from mlx_cache_server.engine.gapped_cache import GappedKVCache
 
     gapped, closed = [], []
     leave, compact = GappedKVCache.leave, GappedKVCache.compact
@@ -191,7 +191,7 @@ def test_seeded_sampled_streams_verify_drafts_as_plain_steps_draw(tiny_model):
     plain replies, wrong at different steps: each draw a drafted token is checked against
     is the one a plain step draws, and the key goes back to what the kept draws left it,
     so replies, ends and KV are those of plain steps."""
-    from app.engine.sampling import make_sampler
+    from mlx_cache_server.engine.sampling import make_sampler
 
     model, tokenizer = tiny_model
     eos = tokenizer.eos_token_id
@@ -218,7 +218,7 @@ def test_a_sampler_whose_draws_cannot_be_undone_decodes_plainly(tiny_model):
     stream with any other sampler (its own state unknown) is not drafted for."""
     import mlx.core as mx
 
-    from app.engine.sampling import make_sampler
+    from mlx_cache_server.engine.sampling import make_sampler
 
     model, tokenizer = tiny_model
     eos = tokenizer.eos_token_id
@@ -239,7 +239,7 @@ def test_a_sampler_whose_draws_cannot_be_undone_decodes_plainly(tiny_model):
 
 def test_more_streams_than_verify_together_decode_plainly(tiny_model):
     """Past `MAX_ROWS` streams every step is a plain one, until streams end."""
-    from app.engine.speculative import MAX_ROWS
+    from mlx_cache_server.engine.speculative import MAX_ROWS
 
     model, tokenizer = tiny_model
     eos = tokenizer.eos_token_id

@@ -284,11 +284,11 @@ def test_constrained_and_free_requests_admitted_together_each_get_their_own(
     tiny_tools_model_dir,
 ):
     """Two constraints and a free request in one batch (BatchGenerator's batched prefill)."""
-    from app.engine import Delta, SamplingParams
-    from app.engine.constraint import build_constraint
-    from app.server import build_engine
-    from app.serving.structured import json_grammar
-    from app.settings import Settings
+    from mlx_cache_server.engine import Delta, SamplingParams
+    from mlx_cache_server.engine.constraint import build_constraint
+    from mlx_cache_server.server import build_engine
+    from mlx_cache_server.serving.structured import json_grammar
+    from mlx_cache_server.settings import Settings
     from tests.helpers import ended, wait_until
 
     grammars = {

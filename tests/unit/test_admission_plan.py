@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.engine.admission import plan_admission
+from mlx_cache_server.engine.admission import plan_admission
 
 SYSTEM = list(range(100, 160))  # a 60-token prefix nothing has cached
 

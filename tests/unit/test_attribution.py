@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.serving.attribution import strip_attribution
+from mlx_cache_server.serving.attribution import strip_attribution
 
 HEADER = "x-anthropic-billing-header: cc_version=2.1.128.bd9; cc_entrypoint=cli; cch=78ef3;"
 

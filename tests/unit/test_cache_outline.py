@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from prompt_cache import PromptCache
-from prompt_cache.outline import branches_in, outline
-from prompt_cache.radix import iter_nodes
+from mlx_cache_server.prompt_cache import PromptCache
+from mlx_cache_server.prompt_cache.outline import branches_in, outline
+from mlx_cache_server.prompt_cache.radix import iter_nodes
 from tests.fakes import BYTES_PER_TOKEN, kv_cache
 
 SYSTEM = list(range(100, 140))
@@ -75,7 +75,7 @@ def test_two_caches_built_alike_give_the_same_outline():
 
 
 def test_a_branch_the_disk_tier_holds_too_says_so(tmp_path):
-    from prompt_cache import DiskTier
+    from mlx_cache_server.prompt_cache import DiskTier
 
     cache = PromptCache(64, 1 << 30, disk=DiskTier(tmp_path, "fp", 1 << 30))
     try:

@@ -16,9 +16,9 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from app.serving import call_markup
-from app.serving.structured import checked
-from app.serving.template import templated_history
+from mlx_cache_server.serving import call_markup
+from mlx_cache_server.serving.structured import checked
+from mlx_cache_server.serving.template import templated_history
 from tests.real_templates import REAL_TEMPLATES
 from tests.tiny_model import build_tokenizer
 from tests.unit.test_prompted_tools import Driver
@@ -143,9 +143,9 @@ def test_the_server_forces_and_reads_a_call_in_qwen3_coder_markup(tokenizer):
     """plan_tools picks the model's format by its parser, and the reply reads the call."""
     from mlx_lm.tool_parsers import qwen3_coder
 
-    from app.serving.chat import Reply
-    from app.serving.schemas import ChatCompletionRequest
-    from app.serving.tools import plan_tools
+    from mlx_cache_server.serving.chat import Reply
+    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.tools import plan_tools
 
     hf = tokenizer[0]
     wrapped = SimpleNamespace(
@@ -223,10 +223,10 @@ def test_only_a_mistral_template_that_writes_call_ids_gets_the_markup(tokenizer)
 def test_the_server_gives_a_forced_mistral_call_the_id_it_generated(tokenizer):
     """The client's id for the call is built on the generated one, and the history the
     client sends back with it renders the call as it was generated."""
-    from app.serving.call_history import short_id, with_short_ids
-    from app.serving.chat import Reply
-    from app.serving.schemas import ChatCompletionRequest
-    from app.serving.tools import ToolCallText, plan_tools
+    from mlx_cache_server.serving.call_history import short_id, with_short_ids
+    from mlx_cache_server.serving.chat import Reply
+    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.tools import ToolCallText, plan_tools
 
     engine = mistral_engine(tokenizer[0])
     req = ChatCompletionRequest(model="m", messages=USER, tools=[WEATHER], tool_choice="required")
@@ -361,8 +361,8 @@ def weather_with(prop: dict) -> dict:
 def test_what_a_markup_cannot_hold_is_forced_as_json_that_holds_it(tokenizer, prop):
     """XML parameters hold a value's type and a string enum, no more: a tool with other
     keywords gets the bare JSON call, which enforces them, and reads back as written."""
-    from app.serving.schemas import ChatCompletionRequest
-    from app.serving.tools import plan_tools
+    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.tools import plan_tools
 
     tool = weather_with(prop)
     if "$ref" in prop:
@@ -381,9 +381,9 @@ def test_what_a_markup_cannot_hold_is_forced_as_json_that_holds_it(tokenizer, pr
     ids=["properties list", "required objects"],
 )
 def test_malformed_parameters_are_the_clients_400_not_a_500(tokenizer, parameters):
-    from app.serving.errors import APIError
-    from app.serving.schemas import ChatCompletionRequest
-    from app.serving.tools import plan_tools
+    from mlx_cache_server.serving.errors import APIError
+    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.tools import plan_tools
 
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     req = ChatCompletionRequest(model="m", messages=USER, tools=[tool], tool_choice="required")

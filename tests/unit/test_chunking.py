@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from app.engine.chunking import StepCosts, chunk_size
+from mlx_cache_server.engine.chunking import StepCosts, chunk_size
 
 GAP = 0.8
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import app
-from app import cli
+import mlx_cache_server
+from mlx_cache_server import cli
 
 
 def project(tmp_path: Path) -> Path:
@@ -30,10 +30,12 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_the_re_executed_command_imports_the_same_app(tmp_path):
     args = cli._itself(["--help"])
     assert args[0] == "-P"  # the working folder is not on its path
-    prelude = args[2].split("from app.cli")[0]  # what sets the path up, then: which app?
-    probe = [*args[:2], prelude + "import app; print(app.__file__)"]
+    prelude = args[2].split("from mlx_cache_server.cli")[
+        0
+    ]  # what sets the path up, then: which app?
+    probe = [*args[:2], prelude + "import mlx_cache_server; print(mlx_cache_server.__file__)"]
     out = run(probe, project(tmp_path))
-    assert out.returncode == 0 and out.stdout.strip() == app.__file__, out.stderr
+    assert out.returncode == 0 and out.stdout.strip() == mlx_cache_server.__file__, out.stderr
 
 
 def test_the_re_executed_command_runs_the_server_command(tmp_path):

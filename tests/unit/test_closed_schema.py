@@ -9,8 +9,8 @@ import pytest
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerFast
 
-from app.serving.closed_schema import closed
-from app.serving.structured import forced_call_grammar, json_grammar, tool_call_schema
+from mlx_cache_server.serving.closed_schema import closed
+from mlx_cache_server.serving.structured import forced_call_grammar, json_grammar, tool_call_schema
 from tests.tiny_model import build_tokenizer
 from tests.unit.test_prompted_tools import Driver
 

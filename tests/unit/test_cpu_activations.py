@@ -1,4 +1,4 @@
-"""SwiGLU on our primitive, else through numpy (`app.runtime.cpu_activations`), against
+"""SwiGLU on our primitive, else through numpy (`mlx_cache_server.runtime.cpu_activations`), against
 mlx-lm's own."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import activations
 
-from app.runtime import cpu_activations, native
+from mlx_cache_server.runtime import cpu_activations, native
 
 extension = pytest.mark.skipif(
     mx.default_device() != mx.cpu or native.layers() is None,

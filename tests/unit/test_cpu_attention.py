@@ -1,4 +1,4 @@
-"""Attention through numpy (`app.runtime.cpu_attention`) against MLX's own kernel."""
+"""Attention through numpy (`mlx_cache_server.runtime.cpu_attention`) against MLX's own kernel."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
-from app.runtime import cpu_attention, kernel_attention
+from mlx_cache_server.runtime import cpu_attention, kernel_attention
 
 
 def qkv(batch: int, heads: int, kv_heads: int, queries: int, keys: int, dim: int, seed: int = 0):

@@ -1,4 +1,4 @@
-"""Our decode products (`app/runtime/csrc/gemm.c`), through MLX as the server calls them.
+"""Our decode products (`runtime/csrc/gemm.c`), through MLX as the server calls them.
 
 pytest runs preloaded as the server does (tests/conftest.py), so MLX's matmuls here reach
 the kernels' `cblas_sgemm`; each test checks, through the kernels' call counter, that the
@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.runtime import blas, native
+from mlx_cache_server.runtime import blas, native
 
 pytestmark = pytest.mark.skipif(
     native.loaded() is None, reason=f"kernels not preloaded: {native.problem or 'see native.py'}"
@@ -198,9 +198,9 @@ def test_how_many_cores_the_kernels_use(env, expected):
 def test_a_draft_pass_stays_within_what_the_kernels_compute_as_single_steps():
     """A verified draft's tokens are a single step's only where its pass takes the same
     kernels: our products for all its rows, our attention for each stream's positions."""
-    from app.engine.drafting import MAX_DRAFT
-    from app.engine.speculative import MAX_POSITIONS
-    from app.runtime.kernel_attention import MAX_QUERIES
+    from mlx_cache_server.engine.drafting import MAX_DRAFT
+    from mlx_cache_server.engine.speculative import MAX_POSITIONS
+    from mlx_cache_server.runtime.kernel_attention import MAX_QUERIES
 
     assert MAX_DRAFT + 1 <= MAX_QUERIES
     assert MAX_POSITIONS <= kernels().mlxcs_gemm_max_rows()

@@ -1,4 +1,4 @@
-"""Logits normalized through numpy (`app.runtime.cpu_logprobs`) against MLX's logsumexp."""
+"""Logits normalized through numpy (`runtime.cpu_logprobs`) against MLX's logsumexp."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from app.runtime import cpu_logprobs
+from mlx_cache_server.runtime import cpu_logprobs
 
 generate = cpu_logprobs.generate  # the module
 

@@ -10,9 +10,9 @@ import sqlite3
 
 import pytest
 
-from prompt_cache import PackedTokens, PromptCache
-from prompt_cache.disk import DiskTier
-from prompt_cache.disk_space import namespace_of
+from mlx_cache_server.prompt_cache import PackedTokens, PromptCache
+from mlx_cache_server.prompt_cache.disk import DiskTier
+from mlx_cache_server.prompt_cache.disk_space import namespace_of
 from tests.fakes import kv_cache, same_state
 
 SEQ = list(range(100, 400)) + [1, 2]

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from prompt_cache import PackedTokens, PromptCache
-from prompt_cache.disk import HEADER_SLACK, DiskTier, DiskTierBusy
+from mlx_cache_server.prompt_cache import PackedTokens, PromptCache
+from mlx_cache_server.prompt_cache.disk import HEADER_SLACK, DiskTier, DiskTierBusy
 from tests.fakes import BYTES_PER_TOKEN, kv_cache, same_state
 
 SYSTEM = list(range(100, 400))
@@ -208,8 +208,8 @@ LOADS_BESIDE_CLEAR_CACHE = """
 import sys, tempfile, threading
 import mlx.core as mx
 sys.path.insert(0, sys.argv[1])
-from prompt_cache import PackedTokens, PromptCache
-from prompt_cache.disk import DiskTier
+from mlx_cache_server.prompt_cache import PackedTokens, PromptCache
+from mlx_cache_server.prompt_cache.disk import DiskTier
 from tests.fakes import kv_cache
 seq = list(range(100, 400))
 root = tempfile.mkdtemp()
@@ -321,7 +321,7 @@ def test_a_lost_parent_file_keeps_the_files_below_it_until_a_request_refills_it(
     cache.disk.flush()
     assert cache.disk.stats.files == 3
     _lose_file_of(cache, turn1)
-    with caplog.at_level("WARNING", logger="prompt_cache.disk"):
+    with caplog.at_level("WARNING", logger="mlx_cache_server.prompt_cache.disk"):
         again = tiered(tmp_path)
     (line,) = [r.getMessage() for r in caplog.records if "files restored" in r.getMessage()]
     assert "2 files restored, 1 dropped (its file is missing: 1)" in line
@@ -365,7 +365,7 @@ def test_a_file_found_corrupt_on_load_keeps_the_files_below_it(tmp_path):
 
 
 def test_an_unwritable_folder_is_one_clear_error(tmp_path):
-    from prompt_cache.disk import DiskTierUnavailable
+    from mlx_cache_server.prompt_cache.disk import DiskTierUnavailable
 
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(DiskTierUnavailable, match="cannot write to"):
@@ -375,7 +375,7 @@ def test_an_unwritable_folder_is_one_clear_error(tmp_path):
 def test_a_read_only_folder_is_one_clear_error(tmp_path):
     import subprocess
 
-    from prompt_cache.disk import DiskTierUnavailable
+    from mlx_cache_server.prompt_cache.disk import DiskTierUnavailable
 
     cache = tiered(tmp_path / "src")
     cache.insert("m", SYSTEM, kv_cache(SYSTEM))

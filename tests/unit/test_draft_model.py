@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from app.engine.draft_model import BEHIND, FEED, DraftBatch, DraftModel
+from mlx_cache_server.engine.draft_model import BEHIND, FEED, DraftBatch, DraftModel
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,8 @@ def test_the_draft_model_keeps_rows_only_for_streams_that_asked_it():
     prompt); one that asked keeps its row while it runs; the rows go with their streams."""
     from types import SimpleNamespace
 
-    from app.engine.drafting import PromptLookup
-    from app.engine.generator import MixedGenerator
+    from mlx_cache_server.engine.drafting import PromptLookup
+    from mlx_cache_server.engine.generator import MixedGenerator
 
     calls = []
 

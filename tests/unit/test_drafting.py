@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from app.engine.drafting import ACCEPTED, COPYING, FORGET, MAX_DRAFT, PAUSE, Pace, PromptLookup
+from mlx_cache_server.engine.drafting import (
+    ACCEPTED,
+    COPYING,
+    FORGET,
+    MAX_DRAFT,
+    PAUSE,
+    Pace,
+    PromptLookup,
+)
 
 
 def lookup(tokens: list[int]) -> PromptLookup:
@@ -77,7 +85,7 @@ def test_a_stream_whose_drafts_failed_drafts_again():
     batch rule refuses its drafts at that rate, it must recover, or the stream would never
     draft again (an edit whose reply opened with its own words copied the whole file back
     one token a step)."""
-    from app.engine.speculative import draft_length
+    from mlx_cache_server.engine.speculative import draft_length
 
     pace = Pace(k=1, paused=PAUSE, rate=0.05)  # as many failed drafts leave it
     assert draft_length([MAX_DRAFT], [pace.rate]) == 0
@@ -107,7 +115,7 @@ def test_how_far_the_best_match_runs():
 
 
 def test_a_step_drafts_as_long_as_its_pass_is_worth_it():
-    from app.engine.speculative import draft_length, longest_draft
+    from mlx_cache_server.engine.speculative import draft_length, longest_draft
 
     assert draft_length([9]) == 9  # alone, every drafted token is nearly free
     assert draft_length([100]) == longest_draft(1)
@@ -172,7 +180,7 @@ def test_the_match_that_runs_further_back_drafts_a_reply_winning_a_tie():
 
 
 def test_recent_replies_are_kept_per_key_within_a_budget():
-    from app.engine.replies import ANCHOR, RecentReplies
+    from mlx_cache_server.engine.replies import ANCHOR, RecentReplies
 
     replies = RecentReplies(budget=100)
     prompt = list(range(1000, 1000 + 2 * ANCHOR))

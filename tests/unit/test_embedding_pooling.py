@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.models.embedding import Pooling, pool, sentence_transformers_pooling
+from mlx_cache_server.models.embedding import Pooling, pool, sentence_transformers_pooling
 
 HIDDEN = mx.array(np.arange(2 * 3 * 2, dtype=np.float32).reshape(2, 3, 2))  # right-padded rows
 

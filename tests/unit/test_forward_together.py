@@ -11,7 +11,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-from app.runtime.forward_together import forward_together, logits, supports
+from mlx_cache_server.runtime.forward_together import forward_together, logits, supports
 from tests.tiny_model import build_tiny_model
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from app.engine import gapped_cache
-from app.engine.gapped_cache import GappedKVCache
+from mlx_cache_server.engine import gapped_cache
+from mlx_cache_server.engine.gapped_cache import GappedKVCache
 
 H, D = 2, 3
 GAP = None

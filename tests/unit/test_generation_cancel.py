@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from app.engine import Delta, Event, SamplingParams
-from app.serving.generation import RequestContext, collect, tracked
-from app.serving.limits import Slot
-from app.serving.metrics import Metrics
+from mlx_cache_server.engine import Delta, Event, SamplingParams
+from mlx_cache_server.serving.generation import RequestContext, collect, tracked
+from mlx_cache_server.serving.limits import Slot
+from mlx_cache_server.serving.metrics import Metrics
 
 
 class ReadyEngine:

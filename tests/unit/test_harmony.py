@@ -14,11 +14,11 @@ import llguidance.hf
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from app.serving import harmony
-from app.serving.chat import Reply
-from app.serving.schemas import ChatCompletionRequest
-from app.serving.template import render
-from app.serving.tools import plan_tools, tool_call
+from mlx_cache_server.serving import harmony
+from mlx_cache_server.serving.chat import Reply
+from mlx_cache_server.serving.schemas import ChatCompletionRequest
+from mlx_cache_server.serving.template import render
+from mlx_cache_server.serving.tools import plan_tools, tool_call
 from tests.tiny_model import SPECIAL, build_tokenizer
 from tests.unit.test_prompted_tools import Driver
 

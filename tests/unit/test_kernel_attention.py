@@ -1,4 +1,4 @@
-"""Attention on our kernel (`app/runtime/kernel_attention.py`) against MLX's own."""
+"""Attention on our kernel (`mlx_cache_server/runtime/kernel_attention.py`) against MLX's own."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import base
 
-from app.runtime import kernel_attention, native
+from mlx_cache_server.runtime import kernel_attention, native
 
 pytestmark = pytest.mark.skipif(
     not kernel_attention.available(), reason="the kernels' library is not preloaded"
@@ -215,7 +215,7 @@ def test_both_ways_give_the_same_bits(route, monkeypatch):
 
 @pytest.mark.parametrize("mask", ["causal", "bool"])
 def test_a_pass_s_live_queries_only_have_the_same_bits_and_the_fillers_are_zeros(route, mask):
-    from app.runtime.live_positions import live_positions
+    from mlx_cache_server.runtime.live_positions import live_positions
 
     if route != "node":
         pytest.skip("called from Python, the kernel computes every query")

@@ -1,4 +1,4 @@
-"""A Llama block as two ops around attention (`app/runtime/kernel_block.py`): the same bits
+"""A Llama block as two ops around attention (`runtime/kernel_block.py`): the same bits
 as mlx-lm's block, for every cache, batch and chunk a model runs, and only on blocks it
 can run."""
 
@@ -13,7 +13,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from app.runtime import (
+from mlx_cache_server.runtime import (
     cpu_activations,
     cpu_fast_path,
     forward_together,
@@ -101,8 +101,8 @@ def test_a_pass_s_live_positions_only_have_the_same_bits(tmp_path, served):
     the same, to the bit where the kernels library takes every product (each row summed
     alone: the default model), to float32 rounding where the BLAS's sums depend on the
     rows beside (the tiny model's); the fillers' KV is zeros, their outputs finite."""
-    from app.models.default_model import default_model_dir
-    from app.runtime.live_positions import live_positions
+    from mlx_cache_server.models.default_model import default_model_dir
+    from mlx_cache_server.runtime.live_positions import live_positions
 
     exact = served == "default" and native.loaded() is not None
     model = load(str(build_tiny_model(tmp_path) if served == "tiny" else default_model_dir()))[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.runtime import blas, kernel_cache, native
+from mlx_cache_server.runtime import blas, kernel_cache, native
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="built on Linux")
 

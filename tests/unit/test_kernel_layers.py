@@ -1,4 +1,4 @@
-"""RoPE and RMSNorm as one MLX op each (`app/runtime/kernel_layers.py`): the same bits as
+"""RoPE and RMSNorm as one MLX op each (`runtime/kernel_layers.py`): the same bits as
 MLX's own functions, for every shape, stride and option a model hands them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-from app.runtime import kernel_layers, native
+from mlx_cache_server.runtime import kernel_layers, native
 from tests.tiny_model import build_tiny_model
 
 built = pytest.mark.skipif(

@@ -11,8 +11,8 @@ import llguidance.hf
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from app.serving.lark_regex import NotRegular, lark_to_regex
-from app.serving.responses_input import _custom_parameters
+from mlx_cache_server.serving.lark_regex import NotRegular, lark_to_regex
+from mlx_cache_server.serving.responses_input import _custom_parameters
 from tests.tiny_model import build_tokenizer
 
 # Codex CLI 0.171's apply_patch grammar, as it sends it.
@@ -208,7 +208,7 @@ class _CountingList(list):
 
 
 def test_statements_are_split_in_one_pass():
-    from app.serving.lark_regex import _statements, _tokens
+    from mlx_cache_server.serving.lark_regex import _statements, _tokens
 
     text = "".join(f'r{i}: "x"\n\n\n' for i in range(900))
     tokens = _CountingList(_tokens(text))
@@ -218,7 +218,7 @@ def test_statements_are_split_in_one_pass():
 
 
 def test_a_grammar_past_the_size_bound_is_refused_before_it_is_read(monkeypatch):
-    from app.serving import lark_regex
+    from mlx_cache_server.serving import lark_regex
 
     def unread(text):
         raise AssertionError("tokenized")

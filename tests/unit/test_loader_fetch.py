@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
-import app.server.loader as loader_module
-from app.models.pool import FetchUnavailable
-from app.models.specs import ModelSpec
-from app.server.loader import ModelLoader
-from app.settings import Settings
+import mlx_cache_server.server.loader as loader_module
+from mlx_cache_server.models.pool import FetchUnavailable
+from mlx_cache_server.models.specs import ModelSpec
+from mlx_cache_server.server.loader import ModelLoader
+from mlx_cache_server.settings import Settings
 
 
 def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_path, monkeypatch):

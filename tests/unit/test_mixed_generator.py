@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-import app.engine.generator as generator
-from app.engine.generator import MixedGenerator
+import mlx_cache_server.engine.generator as generator
+from mlx_cache_server.engine.generator import MixedGenerator
 
 Record = tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]
 

@@ -1,10 +1,10 @@
 """The installed mlx-lm against the places we set its internals.
 
-`prompt_cache.mlx_lm_batch.batch_over` builds a `BatchKVCache` over buffers we
+`mlx_cache_server.prompt_cache.mlx_lm_batch.batch_over` builds a `BatchKVCache` over buffers we
 filled ourselves. If an mlx-lm release changes what its batch cache keeps, the
 batch built here must stop passing for the one mlx-lm builds: these tests say so.
 The engine's side batch starts `BatchGenerator`'s uid counter where the main
-batch's uids never reach (`app.engine.batch.SIDE_UIDS`).
+batch's uids never reach (`mlx_cache_server.engine.batch.SIDE_UIDS`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from prompt_cache.mlx_lm_batch import batch_over, filled
+from mlx_cache_server.prompt_cache.mlx_lm_batch import batch_over, filled
 from tests.fakes import kv_cache
 
 
@@ -25,7 +25,9 @@ def arrays_equal(a: mx.array, b: mx.array) -> bool:
 
 def test_the_installed_mlx_lm_is_the_release_line_this_adapter_was_checked_for():
     major, minor, *_ = version("mlx-lm").split(".")
-    assert (int(major), int(minor)) == (0, 32), "re-check prompt_cache/mlx_lm_batch.py"
+    assert (int(major), int(minor)) == (0, 32), (
+        "re-check mlx_cache_server/prompt_cache/mlx_lm_batch.py"
+    )
 
 
 def test_a_batch_built_over_our_buffers_is_the_batch_mlx_lm_builds():
@@ -58,9 +60,9 @@ def test_a_batch_built_over_our_buffers_is_the_batch_mlx_lm_builds():
 def test_a_generator_numbers_its_sequences_from_the_counter_the_side_batch_sets():
     from mlx_lm.generate import BatchGenerator
 
-    from app.engine.batch import SIDE_UIDS
+    from mlx_cache_server.engine.batch import SIDE_UIDS
 
-    # app/engine/batch.py starts its side batch's counter at SIDE_UIDS, so that one dict
+    # engine/batch.py starts its side batch's counter at SIDE_UIDS, so that one dict
     # keyed by uid holds both batches' sequences.
     side = BatchGenerator(model=None)
     side._uid_count = SIDE_UIDS

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from app.models.pool import (
+from mlx_cache_server.models.pool import (
     FetchUnavailable,
     ModelBusy,
     ModelPool,
@@ -17,7 +17,7 @@ from app.models.pool import (
     ModelUnavailable,
     UnknownModel,
 )
-from app.models.specs import ModelSpec
+from mlx_cache_server.models.specs import ModelSpec
 
 
 @dataclass(eq=False)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from app.models.specs import ModelSpec, check_paths, model_specs
-from app.settings import Settings, load_settings
+from mlx_cache_server.models.specs import ModelSpec, check_paths, model_specs
+from mlx_cache_server.settings import Settings, load_settings
 
 CONFIG = """
 model_ttl = 600

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.placement import MAIN, PADDING_LIMIT, SIDE, padded, place
+from mlx_cache_server.engine.placement import MAIN, PADDING_LIMIT, SIDE, padded, place
 
 ROOM = 16  # sequences the two batches may decode together
 

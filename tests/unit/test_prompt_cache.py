@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
 
-from prompt_cache import LRUPromptCache, PackedTokens, PromptCache
+from mlx_cache_server.prompt_cache import LRUPromptCache, PackedTokens, PromptCache
 from tests.fakes import BYTES_PER_TOKEN, held, kv_cache, same_state
 
 SYSTEM = list(range(100, 400))  # a long shared prefix
@@ -140,7 +140,7 @@ def test_byte_budget_holds_and_shared_prefix_survives_leaf_eviction():
 
 def test_bytes_are_counted_by_the_caches_measure_and_evicted_by_it():
     """A sharded model's rank counts its KV as the largest rank's would be (`measure`)."""
-    from prompt_cache import layers
+    from mlx_cache_server.prompt_cache import layers
 
     budget = (len(SYSTEM) + 3 * 20) * BYTES_PER_TOKEN * 2
     twice = lambda tree: 2 * layers.nbytes(tree)  # noqa: E731
@@ -218,7 +218,7 @@ def test_trim_to_and_clear():
 
 
 def test_a_pinned_sequence_is_not_evicted_under_a_fetch(monkeypatch):
-    from prompt_cache import layers
+    from mlx_cache_server.prompt_cache import layers
 
     cache = PromptCache(max_sequences=1)
     a, b = [1] * 8, [2] * 8
@@ -493,7 +493,7 @@ def test_the_batch_hands_a_sequence_out_without_a_copy():
 
 
 def test_a_fresh_cache_joins_the_batch_without_a_copy_and_is_stored_as_a_plain_one():
-    from prompt_cache.joined import FreshKVCache
+    from mlx_cache_server.prompt_cache.joined import FreshKVCache
 
     tokens = [t % 1000 for t in range((1 << 16) - 100)]  # room left in its last block
     plain = kv_cache(tokens)
@@ -515,7 +515,7 @@ def test_a_fresh_cache_joins_the_batch_without_a_copy_and_is_stored_as_a_plain_o
 
 
 def test_a_cache_taken_out_of_a_batch_joins_one_again_without_a_copy():
-    from prompt_cache import as_fresh
+    from mlx_cache_server.prompt_cache import as_fresh
 
     tokens = [t % 1000 for t in range((1 << 16) - 100)]  # room left in its last block
     plain = kv_cache(tokens)
@@ -535,7 +535,7 @@ def test_a_cache_taken_out_of_a_batch_joins_one_again_without_a_copy():
 
 
 def test_a_sequence_taken_out_of_a_batch_goes_on_in_its_free_slots_without_a_copy():
-    from prompt_cache import as_fresh
+    from mlx_cache_server.prompt_cache import as_fresh
 
     tokens = [t % 1000 for t in range((1 << 16) - 100)]  # room left in its last block
     joined, plain = _grown_by_one(tokens)

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-from prompt_cache import PromptCache
-from prompt_cache.layers import layout_of
-from prompt_cache.radix import iter_nodes
+from mlx_cache_server.prompt_cache import PromptCache
+from mlx_cache_server.prompt_cache.layers import layout_of
+from mlx_cache_server.prompt_cache.radix import iter_nodes
 from tests.fakes import kv_cache
 
 WINDOW = 4
@@ -258,8 +258,8 @@ def path_of(node) -> list[int]:
 
 
 def test_an_insert_copies_only_the_window_kv_the_tree_lacks():
-    from prompt_cache import planning
-    from prompt_cache.radix import pack, walk
+    from mlx_cache_server.prompt_cache import planning
+    from mlx_cache_server.prompt_cache.radix import pack, walk
 
     cache = PromptCache()
     prompt = SYSTEM + [1, 2, 3]

@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prompt_cache import PromptCache
-from prompt_cache.radix import iter_nodes
+from mlx_cache_server.prompt_cache import PromptCache
+from mlx_cache_server.prompt_cache.radix import iter_nodes
 from tests.fakes import BYTES_PER_TOKEN, kv_cache, same_state
 
 MODELS = ["a", "b"]

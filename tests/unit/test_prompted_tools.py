@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from app.engine.constraint import GrammarProcessor
-from app.serving import prompted_tools
-from app.serving.tools import ToolCallText
+from mlx_cache_server.engine.constraint import GrammarProcessor
+from mlx_cache_server.serving import prompted_tools
+from mlx_cache_server.serving.tools import ToolCallText
 from tests.tiny_model import build_tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from app.engine import SamplingParams
-from app.server.errors import _param
-from app.serving.defaults import SamplingDefaults
-from app.serving.errors import APIError
-from app.serving.limits import check_prompt_chars, sampling_params
-from app.serving.schemas import (
+from mlx_cache_server.engine import SamplingParams
+from mlx_cache_server.server.errors import _param
+from mlx_cache_server.serving.defaults import SamplingDefaults
+from mlx_cache_server.serving.errors import APIError
+from mlx_cache_server.serving.limits import check_prompt_chars, sampling_params
+from mlx_cache_server.serving.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
@@ -25,8 +25,8 @@ from app.serving.schemas import (
     PromptTokensDetails,
     Usage,
 )
-from app.serving.template import template_message as _message
-from app.settings import Settings
+from mlx_cache_server.serving.template import template_message as _message
+from mlx_cache_server.settings import Settings
 
 ENGINE = SimpleNamespace(context_length=100, vocab_size=50, max_token_chars=4)
 MESSAGES = [{"role": "user", "content": "hi"}]

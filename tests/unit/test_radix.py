@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prompt_cache.radix import (
+from mlx_cache_server.prompt_cache.radix import (
     Node,
     PackedTokens,
     add_child,

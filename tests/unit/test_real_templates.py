@@ -2,7 +2,7 @@
 
 Tokenizers only (no weights): each template's tokenizer loads with mlx-lm's loader, which
 infers the real model's tool parser, and a chat, a chat with tools, and a tool loop's
-history render through `app.serving.template`.
+history render through `mlx_cache_server.serving.template`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 from mlx_lm.tokenizer_utils import load
 from mlx_lm.tool_parsers import pythonic
 
-from app.serving.errors import APIError
-from app.serving.schemas import ChatCompletionRequest
-from app.serving.template import render
-from app.serving.tools import plan_tools
+from mlx_cache_server.serving.errors import APIError
+from mlx_cache_server.serving.schemas import ChatCompletionRequest
+from mlx_cache_server.serving.template import render
+from mlx_cache_server.serving.tools import plan_tools
 from tests.real_templates import REAL_TEMPLATES, write_template_tokenizer
 from tests.tiny_model import write_tokenizer
 
@@ -175,7 +175,7 @@ def test_a_template_failing_on_valid_input_falls_back_and_says_why(tmp_path, cap
     path.mkdir()
     write_tokenizer(path, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], template)
     tokenizer = load(Path(path))
-    with caplog.at_level(logging.WARNING, logger="app.serving.template"):
+    with caplog.at_level(logging.WARNING, logger="mlx_cache_server.serving.template"):
         text = rendered(tokenizer, loop())
     assert "<tool_response>\nSunny" in text and "Thanks!" in text
     assert "server's own protocol" in caplog.text

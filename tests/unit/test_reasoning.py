@@ -1,10 +1,15 @@
-"""Thinking split from the answer (`app.serving.reasoning`), whole and streamed in pieces."""
+"""Thinking split from the answer (`serving.reasoning`), whole and streamed in pieces."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.serving.reasoning import ReasoningSplit, ThinkTags, opens_thinking, split_whole
+from mlx_cache_server.serving.reasoning import (
+    ReasoningSplit,
+    ThinkTags,
+    opens_thinking,
+    split_whole,
+)
 
 TAGS = ThinkTags("<think>", "</think>")
 

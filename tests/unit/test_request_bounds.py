@@ -9,20 +9,20 @@ import threading
 
 import pytest
 
-from app.engine.events import Failed, GrammarFailed, sampling_failed
-from app.serving.chat import check_request_chars
-from app.serving.errors import APIError
-from app.serving.generation import failure_status
-from app.serving.limits import text_chars
-from app.serving.schema_checks import check_schema
-from app.serving.schema_costs import (
+from mlx_cache_server.engine.events import Failed, GrammarFailed, sampling_failed
+from mlx_cache_server.serving.chat import check_request_chars
+from mlx_cache_server.serving.errors import APIError
+from mlx_cache_server.serving.generation import failure_status
+from mlx_cache_server.serving.limits import text_chars
+from mlx_cache_server.serving.schema_checks import check_schema
+from mlx_cache_server.serving.schema_costs import (
     MAX_LITERAL_CHARS,
     MAX_OPTIONAL_PROPERTIES,
     MAX_REPEAT,
     pattern_problem,
 )
-from app.serving.schemas import ChatCompletionRequest
-from app.serving.workers import Pool
+from mlx_cache_server.serving.schemas import ChatCompletionRequest
+from mlx_cache_server.serving.workers import Pool
 
 BIG = "x" * 100_000
 

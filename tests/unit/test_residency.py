@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.models.residency import Resident, expired, make_room
+from mlx_cache_server.models.residency import Resident, expired, make_room
 
 
 def r(id: str, nbytes: int, last_used: float, busy=False, pinned=False, ttl=None) -> Resident:

@@ -9,9 +9,9 @@ import stat
 
 import pytest
 
-from app.serving.errors import APIError
-from app.serving.response_file import stored_responses_path
-from app.serving.response_store import ResponseStore
+from mlx_cache_server.serving.errors import APIError
+from mlx_cache_server.serving.response_file import stored_responses_path
+from mlx_cache_server.serving.response_store import ResponseStore
 
 
 def _items(text: str) -> list[dict]:

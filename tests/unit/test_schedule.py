@@ -1,9 +1,9 @@
-"""The prefill order (`app.engine.schedule`): shortest first, short ones beside long ones,
+"""The prefill order (`engine.schedule`): shortest first, short ones beside long ones,
 and a bounded wait for long ones. Token counts and a clock stand in for a real engine."""
 
 from __future__ import annotations
 
-from app.engine.schedule import Waiting, choose, in_line, join_limit
+from mlx_cache_server.engine.schedule import Waiting, choose, in_line, join_limit
 
 BUDGET = 512
 MAX_WAIT = 10.0

@@ -10,9 +10,9 @@ import textwrap
 import pytest
 from pydantic import BaseModel
 
-from app.serving.errors import APIError
-from app.serving.schema_checks import MAX_DEPTH, MAX_NESTING, MAX_NODES, check_schema
-from app.serving.structured import forced_call_grammar, json_grammar, tool_call_schema
+from mlx_cache_server.serving.errors import APIError
+from mlx_cache_server.serving.schema_checks import MAX_DEPTH, MAX_NESTING, MAX_NODES, check_schema
+from mlx_cache_server.serving.structured import forced_call_grammar, json_grammar, tool_call_schema
 
 
 def chain(n: int, link=lambda ref: {"$ref": ref}) -> dict:
@@ -175,7 +175,7 @@ def _strings(value):
 DEEP = textwrap.dedent(
     """
     import os, sys, threading, llguidance
-    from app.engine.constraint import on_deep_stack
+    from mlx_cache_server.engine.constraint import on_deep_stack
     n = 6000  # a chain past what an 8 MiB stack holds (bench/schema_bounds.py)
     defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
     defs[f"d{n}"] = {"type": "string"}
@@ -250,7 +250,7 @@ def test_a_huge_required_list_is_read_once_as_the_properties_it_names():
     """The fixpoint re-checks a schema each time one it needs settles: its rule holds each
     required property once, however often `required` repeats it (once it re-read a
     500,000-name list on every check: minutes)."""
-    from app.serving.schema_checks import _object_needs
+    from mlx_cache_server.serving.schema_checks import _object_needs
 
     names = [f"p{i}" for i in range(3_000)]
     schema = {"type": "object", "properties": {n: {"type": "string"} for n in names},

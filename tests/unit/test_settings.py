@@ -1,6 +1,6 @@
 import pytest
 
-from app.settings import (
+from mlx_cache_server.settings import (
     FALLBACK_CACHE_BYTES,
     Settings,
     default_cache_bytes,
@@ -58,9 +58,9 @@ def test_the_ram_cache_has_a_byte_budget_that_fits_the_machine_by_default():
 
 
 def test_a_model_without_a_cache_budget_gets_the_default_and_a_set_one_wins(monkeypatch):
-    from app.models.specs import ModelSpec
-    from app.runtime import memory
-    from app.server.loader import ModelLoader
+    from mlx_cache_server.models.specs import ModelSpec
+    from mlx_cache_server.runtime import memory
+    from mlx_cache_server.server.loader import ModelLoader
 
     monkeypatch.setattr(memory, "machine_memory", lambda: 32 * 1024**3)
     spec = ModelSpec("m", "/models/m")
@@ -73,7 +73,7 @@ def test_a_model_without_a_cache_budget_gets_the_default_and_a_set_one_wins(monk
 
 
 def test_a_containers_memory_limit_counts_as_the_machines(monkeypatch, tmp_path):
-    from app.runtime import memory
+    from mlx_cache_server.runtime import memory
 
     unlimited, limited = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
     unlimited.write_text("max\n")

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from app.engine import SamplingParams, sharded
-from app.engine.request import Request
-from app.engine.sharded import Diverged, FollowerSteps, LeaderSteps
-from app.engine.steps import LocalSteps, Measured
+from mlx_cache_server.engine import SamplingParams, sharded
+from mlx_cache_server.engine.request import Request
+from mlx_cache_server.engine.sharded import Diverged, FollowerSteps, LeaderSteps
+from mlx_cache_server.engine.steps import LocalSteps, Measured
 from tests.helpers import FakeClock
 
 
@@ -162,7 +162,7 @@ def test_a_follower_whose_cache_differs_from_the_leaders_stops(wire, monkeypatch
 
 def test_a_follower_that_failed_a_request_the_leader_ran_stops(wire):
     """A failure of one rank's own (out of memory, say) parts it from the others."""
-    from app.engine import EngineStats
+    from mlx_cache_server.engine import EngineStats
 
     steps, inbox, _ = local()
     leader = LeaderSteps(steps, Group(0), cache=None, stats=EngineStats(admitted=1))

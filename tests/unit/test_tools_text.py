@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 from mlx_lm.tool_parsers import json_tools
 
-from app.serving.defaults import generation_config, sampling_defaults
-from app.serving.tools import ToolCallText, forced_call, template_tool_calls
-from app.settings import Settings
+from mlx_cache_server.serving.defaults import generation_config, sampling_defaults
+from mlx_cache_server.serving.tools import ToolCallText, forced_call, template_tool_calls
+from mlx_cache_server.settings import Settings
 
 ENGINE = SimpleNamespace(
     tokenizer=SimpleNamespace(
@@ -94,8 +94,8 @@ def test_a_models_generation_config_gives_its_sampling_values(tmp_path):
 
 
 def test_a_streamed_reply_gives_content_then_indexed_call_deltas():
-    from app.serving.chat import Reply
-    from app.serving.tools import ToolPlan
+    from mlx_cache_server.serving.chat import Reply
+    from mlx_cache_server.serving.tools import ToolPlan
 
     req = SimpleNamespace(tools=[])
     reply = Reply(ENGINE, req, ToolPlan("auto", []))
@@ -113,8 +113,8 @@ def test_a_streamed_reply_gives_content_then_indexed_call_deltas():
 
 
 def test_a_forced_call_streams_its_name_first_then_argument_fragments():
-    from app.serving.chat import Reply
-    from app.serving.tools import ToolPlan
+    from mlx_cache_server.serving.chat import Reply
+    from mlx_cache_server.serving.tools import ToolPlan
 
     reply = Reply(ENGINE, SimpleNamespace(tools=[]), ToolPlan("forced", []))
     text = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'

@@ -16,7 +16,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 def test_the_installed_uvicorn_is_the_release_line_the_guards_were_checked_for():
     major, minor, *_ = version("uvicorn").split(".")
-    assert (int(major), int(minor)) == (0, 54), "re-check app/server/connections.py and graceful.py"
+    assert (int(major), int(minor)) == (0, 54), (
+        "re-check mlx_cache_server/server/connections.py and graceful.py"
+    )
 
 
 def test_the_methods_the_guards_override_exist_with_the_same_signatures():

@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from prompt_cache import PromptCache
+from mlx_cache_server.prompt_cache import PromptCache
 
 from .constraint import GrammarTokenizer, build_constraint
 from .events import EngineStats
@@ -173,7 +173,7 @@ def rank_bytes(model: Any, group: mx.distributed.Group, pipeline: bool) -> Calla
     """
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from prompt_cache import layers
+    from mlx_cache_server.prompt_cache import layers
 
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]]), cache=cache))

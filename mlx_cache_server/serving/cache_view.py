@@ -3,7 +3,7 @@ per tenant, with their text; each tier's totals and budget; the share of prompt 
 the cache served over the last minutes; the latest requests and where their time went.
 
 Plain data for `GET /v1/cache/tree` and the page's event stream. Bounded whatever the
-cache holds: `max_nodes` branches a namespace (`prompt_cache.outline`), `RECENT`
+cache holds: `max_nodes` branches a namespace (`mlx_cache_server.prompt_cache.outline`), `RECENT`
 requests.
 """
 
@@ -13,7 +13,7 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-from prompt_cache.outline import Branch
+from mlx_cache_server.prompt_cache.outline import Branch
 
 from .metrics import Metrics
 

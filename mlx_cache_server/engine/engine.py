@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from prompt_cache import PromptCache, fresh_cache
-from prompt_cache.layers import mode_of
+from mlx_cache_server.prompt_cache import PromptCache, fresh_cache
+from mlx_cache_server.prompt_cache.layers import mode_of
 
 from .constraint import GrammarTokenizer
 from .draft_model import DraftModel

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from prompt_cache import fresh_cache
+from mlx_cache_server.prompt_cache import fresh_cache
 
 from .chunking import StepCosts, chunk_size
 from .entering import Entering

@@ -1,6 +1,6 @@
 """The web pages: chat at `/`, the cache at `/ui/cache`, their scripts and style.
 
-Static files shipped in the package (`app/ui/static`), no build step. The pages call the
+Static files shipped in the package (`ui/static`), no build step. The pages call the
 API from the browser with the key the user typed (the API's own auth); the files
 themselves are open, as they hold nothing but code. A strict Content-Security-Policy:
 scripts and styles from this server only, requests to this server only, no frames.

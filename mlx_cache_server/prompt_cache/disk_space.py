@@ -2,7 +2,7 @@
 first when room is short, and removing one (for room, or found bad).
 
 `DiskSpace` is a part of `DiskTier` (its methods run under the tier's lock); the
-invariants are the tier's (`prompt_cache.disk`).
+invariants are the tier's (`mlx_cache_server.prompt_cache.disk`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from prompt_cache.radix import common_prefix_length
+from mlx_cache_server.prompt_cache.radix import common_prefix_length
 
 
 class Admissible(Protocol):

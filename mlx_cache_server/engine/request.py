@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
-from prompt_cache import PackedTokens
+from mlx_cache_server.prompt_cache import PackedTokens
 
 from .events import Failed, Finished, SamplingParams
 from .sampling import make_processors, make_sampler

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from prompt_cache import PromptCache
+from mlx_cache_server.prompt_cache import PromptCache
 
 from .events import EngineStats
 from .replies import RecentReplies

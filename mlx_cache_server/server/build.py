@@ -9,8 +9,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from prompt_cache import PromptCache, layers
-from prompt_cache.disk import DiskTier, DiskTierBusy, DiskTierUnavailable
+from mlx_cache_server.prompt_cache import PromptCache, layers
+from mlx_cache_server.prompt_cache.disk import DiskTier, DiskTierBusy, DiskTierUnavailable
 
 from ..engine import Engine
 from ..engine.draft_model import DraftModel

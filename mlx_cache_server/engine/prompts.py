@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from prompt_cache import as_fresh
+from mlx_cache_server.prompt_cache import as_fresh
 
 from .exits import State
 from .placement import MAIN

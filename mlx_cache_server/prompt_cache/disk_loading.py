@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from .disk import DiskTier
 
-log = logging.getLogger("prompt_cache.manager")
+log = logging.getLogger("mlx_cache_server.prompt_cache.manager")
 
 MIN_DISK_LOAD = 16  # fewer tokens past the RAM tree are recomputed, not read from disk
 

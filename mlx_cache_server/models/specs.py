@@ -43,7 +43,7 @@ class ModelSpec:
     ttl: float | None = None  # idle seconds before it is unloaded; None: only for room
     working_memory: int | None = None  # bytes beyond weights and cache; None: the server's
     # An embedding model (/v1/embeddings): configured so, or found so from its
-    # sentence-transformers files (app/models/embedding.py).
+    # sentence-transformers files (mlx_cache_server/models/embedding.py).
     embedding: bool = False
     pooling: str | None = None  # "last" or "mean"; None: its files', else "last"
     normalize: bool = True

@@ -29,7 +29,7 @@ from .steps import LocalSteps, StepInputs, StepSource
 if TYPE_CHECKING:
     import queue
 
-    from prompt_cache import PromptCache
+    from mlx_cache_server.prompt_cache import PromptCache
 
 log = logging.getLogger("mlx_cache_server.engine")
 

@@ -7,14 +7,14 @@ the state of a sequence. Rules:
 - At least one token of a fetched sequence is always left uncovered: the model
   must run on something to produce logits.
 - Storage mode is chosen per model from its first inserted cache (see
-  `prompt_cache.layers`):
+  `mlx_cache_server.prompt_cache.layers`):
   * prefix sharing, when every layer is a `KVCache`/`QuantizedKVCache`: each
     node owns the KV of its own edge only, so a shared prefix is stored once.
     Any point on a stored path is reusable: a fetch joins the segments of the
     path up to the common prefix (a longer match is simply cut there). Here a
     sequence that extends a stored one replaces it, and cached sequences are
     exactly the leaves.
-  * checkpointed, for hybrid models (`prompt_cache.checkpoints`): the KV layers
+  * checkpointed, for hybrid models (`mlx_cache_server.prompt_cache.checkpoints`): the KV layers
     as in prefix sharing, the window layers' KV by token where it was held,
     recurrent state at chosen nodes; a fetch resumes at the deepest point within
     its match where every layer can be rebuilt.
@@ -38,7 +38,7 @@ the state of a sequence. Rules:
   capacity: stored KV is cut to its tokens and copied off the caller's buffers.
 - One lock guards the trees, the LRU order and the counters. Copies (joining
   segments on fetch, cutting the new segment on insert) run outside it.
-- With a disk tier (`prompt_cache.disk`, prefix-sharing mode only), every segment
+- With a disk tier (`mlx_cache_server.prompt_cache.disk`, prefix-sharing mode only), every segment
   an insert attaches is queued for writing behind it, and a fetch first loads
   into the RAM tree what the disk holds of its tokens past the RAM tree's match
   (at least `MIN_DISK_LOAD` tokens), as a segment an insert would have attached.

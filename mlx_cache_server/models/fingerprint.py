@@ -20,7 +20,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from prompt_cache.disk import FORMAT
+from mlx_cache_server.prompt_cache.disk import FORMAT
 
 SAMPLES = 16  # chunks of each weights file hashed, spread evenly
 SAMPLE_BYTES = 64 * 1024

@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from prompt_cache.layers import mode_of
+from mlx_cache_server.prompt_cache.layers import mode_of
 
 from .chunking import StepCosts, chunk_size
 from .events import Finished, Started, log_fault, sampling_failed

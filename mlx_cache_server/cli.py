@@ -1,4 +1,4 @@
-"""The `mlx-cache-server` command (also `python -m app`)."""
+"""The `mlx-cache-server` command (also `python -m mlx_cache_server`)."""
 
 from __future__ import annotations
 
@@ -214,7 +214,7 @@ def _itself(argv: list[str]) -> list[str]:
     code = (
         "import os, sys\n"
         f"if {root!r} not in map(os.path.realpath, sys.path): sys.path.insert(0, {root!r})\n"
-        "from app.cli import main\n"
+        "from mlx_cache_server.cli import main\n"
         "sys.exit(main())"
     )
     return ["-P", "-c", code, *argv]

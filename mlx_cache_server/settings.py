@@ -23,7 +23,7 @@ class Settings:
     model: str | None = None  # a local folder or Hugging Face id; None: the embedded default
     served_model_name: str | None = None
     model_aliases: list[str] = field(default_factory=list)  # more names clients may send for it
-    # More models, from the settings file's [[models]] tables (app/models/specs.py).
+    # More models, from the settings file's [[models]] tables (mlx_cache_server/models/specs.py).
     models: list[dict[str, Any]] = field(default_factory=list)
     model_ttl: float | None = None  # idle seconds before a model is unloaded; None: never
     memory_budget: int | None = None  # weights + caches + working memory of loaded models
@@ -42,22 +42,22 @@ class Settings:
     max_tokens_cap: int = 32768
     default_max_tokens: int = 2048
     # Sampling for requests that leave these out; None: the model's generation_config.json,
-    # else OpenAI's neutral values (see app/serving/defaults.py).
+    # else OpenAI's neutral values (see mlx_cache_server/serving/defaults.py).
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     # Cut Claude Code's per-request attribution line from system prompts, so that its
-    # conversations reuse the cache (app/serving/attribution.py); --keep-attribution-header
+    # conversations reuse the cache (serving/attribution.py); --keep-attribution-header
     # keeps it.
     strip_attribution_header: bool = True
     completion_batch_size: int = 16
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
     # On MLX's CPU device, the ops MLX's scalar exp slows (attention's softmax, the MLP's
-    # SwiGLU, the logits' normalization) through numpy: app/runtime/cpu_*.py.
+    # SwiGLU, the logits' normalization) through numpy: mlx_cache_server/runtime/cpu_*.py.
     cpu_fast_path: bool = True
-    # Streams verify prompt-lookup drafts (app/engine/drafting.py).
+    # Streams verify prompt-lookup drafts (mlx_cache_server/engine/drafting.py).
     speculation: bool = True
     # A small model of the same tokenizer drafting where prompt lookup finds nothing.
     draft_model: str | None = None

@@ -1,7 +1,7 @@
 """A radix tree (compressed trie) over token sequences.
 
 The tree only indexes tokens; what a node carries (`segment`, `entry`) is
-opaque to it and managed by `prompt_cache.manager`.
+opaque to it and managed by `mlx_cache_server.prompt_cache.manager`.
 
 Invariants:
 - Every node but the root has a non-empty edge (`tokens`). The children of a

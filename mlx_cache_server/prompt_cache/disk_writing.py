@@ -2,7 +2,7 @@
 
 `DiskWriting` is a part of `DiskTier`: the writer thread runs `_write_loop`, and
 what it indexes it indexes under the tier's lock; the invariants are the tier's
-(`prompt_cache.disk`).
+(`mlx_cache_server.prompt_cache.disk`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .disk_space import DiskFile, DiskStats, namespace_of
 from .disk_tree import attach, first_gap, held
 from .radix import TOKEN, Node, walk
 
-log = logging.getLogger("prompt_cache.disk")  # the tier's one logger
+log = logging.getLogger("mlx_cache_server.prompt_cache.disk")  # the tier's one logger
 
 # Bump when what a file holds changes meaning (2: checksums over the arrays; 3: over the
 # whole file and its index row).

@@ -21,7 +21,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from prompt_cache.radix import common_prefix_length
+from mlx_cache_server.prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
 from . import attribution, call_history, call_markup, harmony, prompted_tools
