@@ -1,7 +1,7 @@
 """Attention on the Linux CPU: where a forward pass's time goes, and the numpy fast path.
 
-Part 1, in this process (default model, float32, OpenBLAS preloaded by the caller, as
-the servers have it):
+Part 1, in this process (default model, float32, OpenBLAS loaded as the server loads
+it):
   - one layer's attention at 4,100 keys (a 100-token chunk: q 1x9x100x64, k/v 1x3x4100x64):
     MLX's fused kernel, the numpy path (runtime/cpu_attention.py), and its two matmuls
     alone (QK^T and PV) as the floor;
@@ -16,9 +16,7 @@ alone in turn, greedy, through the `openai` SDK:
     200-word tool result, until the context passes 3,800 tokens; warm TTFT median;
   - greedy agreement of our two attention paths over all those replies.
 
-    LD_PRELOAD=$(python -c 'from mlx_cache_server.runtime.blas import find_openblas
-    print(find_openblas())') \\
-        python bench/cpu_attention.py [--part 1|2] [--quick]
+    python bench/cpu_attention.py [--part 1|2] [--quick]
 """
 
 from __future__ import annotations
@@ -31,6 +29,10 @@ import sys
 import time
 from collections import defaultdict
 from typing import Any
+
+from mlx_cache_server.runtime.blas import use_openblas
+
+use_openblas()  # as the server does, before MLX is imported
 
 import mlx.core as mx
 import mlx.nn as nn

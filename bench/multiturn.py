@@ -45,7 +45,7 @@ from openai import APIConnectionError, AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
 from mlx_cache_server.prompt_cache.radix import common_prefix_length
-from mlx_cache_server.runtime.blas import preload
+from mlx_cache_server.runtime.blas import find_openblas
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = (
@@ -100,6 +100,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def peer_env(kind: str) -> dict[str, str]:
+    """The environment a server of `kind` starts in. Both get the same BLAS: ours loads
+    OpenBLAS itself (an older tree of ours, `ours@`, preloaded it), mlx_lm.server is given
+    it in LD_PRELOAD, where it serves MLX's matmuls the same way."""
+    env = dict(os.environ)
+    if not kind.startswith("ours") and (openblas := find_openblas()):
+        env["LD_PRELOAD"] = openblas
+    return env
+
+
 def package(tree: str | None) -> str:
     """The server's import package in `tree` (this one if None): `app` before it had a name
     of its own."""
@@ -152,10 +162,7 @@ def start(
         if kind == "ours-nocache":
             cmd.append("--no-cache")
         cmd += extra
-    env = dict(os.environ, MLX_CACHE_SERVER_BLAS_CHECKED="1")
-    # Both servers get the same BLAS; this tree's server, its decode kernels in front.
-    if libs := preload(kernels=kind.startswith("ours") and not cwd):
-        env["LD_PRELOAD"] = " ".join(libs)
+    env = peer_env(kind)
     log = Path(tempfile.mkstemp(prefix=f"bench-{kind.replace('/', '_')}-", suffix=".log")[1])
     with log.open("wb") as err:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)

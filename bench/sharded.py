@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -42,11 +41,19 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from multiturn import RESULTS, Call, free_port, question, send, system_prompt, wait_ready
+from multiturn import (
+    RESULTS,
+    Call,
+    free_port,
+    peer_env,
+    question,
+    send,
+    system_prompt,
+    wait_ready,
+)
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
-from mlx_cache_server.runtime.blas import preload
 
 
 @contextmanager
@@ -62,11 +69,8 @@ def started(setup: str, model: str):
                  "--log-level", "warning", "--port", str(port), *pipeline]  # fmt: skip
     else:
         serve = ["-m", "mlx_lm.server", "--model", model, "--port", str(port), *pipeline]
-    env = dict(os.environ, MLX_CACHE_SERVER_BLAS_CHECKED="1")
+    env = peer_env(kind)  # the same BLAS for both
     env["OPENBLAS_NUM_THREADS"] = str(max(1, 2 // int(ranks)))
-    # Both servers get the same BLAS; ours, its decode kernels in front.
-    if libs := preload(kernels=kind == "ours"):
-        env["LD_PRELOAD"] = " ".join(libs)
     hosts = Path(tempfile.mkstemp(prefix="bench-hosts-", suffix=".json")[1])
     hosts.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(int(ranks))]))
     log = Path(tempfile.mkstemp(prefix=f"bench-{setup}-", suffix=".log")[1])

@@ -44,7 +44,6 @@ import json
 import re
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -56,7 +55,7 @@ from multiturn import RESULTS, free_port, running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
-from mlx_cache_server.runtime.blas import reexec_preloaded
+from mlx_cache_server.runtime.blas import use_openblas
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [
@@ -160,7 +159,7 @@ def acceptance(grown: dict[str, float]) -> dict[str, float | None]:
 
 
 def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)) -> None:
-    reexec_preloaded(sys.argv)  # the server's BLAS and kernels, before MLX is imported
+    use_openblas()  # the server's BLAS, before MLX is imported
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache

@@ -17,7 +17,7 @@ one decode step. Medians of `--repeat` on both sides. A prompt of one chunk the 
 prefills whole and samples from its last position (`prefill_alone`), with no decode
 step: it can come in under 1.0x.
 
-    LD_PRELOAD=... python bench/ttft_floor.py [--new 100,250,500,2000,8000] [--repeat 3]
+    python bench/ttft_floor.py [--new 100,250,500,2000,8000] [--repeat 3]
         [--ours-at PATH]
 """
 
@@ -30,6 +30,10 @@ import statistics
 import time
 from contextlib import ExitStack
 from typing import Any
+
+from mlx_cache_server.runtime.blas import use_openblas
+
+use_openblas()  # as the server does, before MLX is imported
 
 import mlx.core as mx
 from multiturn import RESULTS, Call, running, send, system_prompt

@@ -197,27 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "import-gguf":
         return import_command(args)
-    from .runtime.blas import reexec_preloaded
-
-    reexec_preloaded(_itself(argv))
     return serve(args)
-
-
-def _itself(argv: list[str]) -> list[str]:
-    """The interpreter's arguments that run this command again, on this same `app`.
-
-    Not `-m app`: that puts the working folder first on sys.path, where a project's own
-    `app/` package would run instead of the server. `-P` leaves the working folder out;
-    the folder this `app` was imported from goes first only where the path lacks it (a
-    source checkout run from its root), so the new process imports what this one did."""
-    root = str(Path(__file__).resolve().parents[1])
-    code = (
-        "import os, sys\n"
-        f"if {root!r} not in map(os.path.realpath, sys.path): sys.path.insert(0, {root!r})\n"
-        "from mlx_cache_server.cli import main\n"
-        "sys.exit(main())"
-    )
-    return ["-P", "-c", code, *argv]
 
 
 def import_command(args: argparse.Namespace) -> int:
@@ -261,6 +241,9 @@ def follow(settings: Settings, path: str, group: Any) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from .runtime.blas import use_openblas
+
+    use_openblas()  # before MLX is imported, or its matmuls keep the reference BLAS
     import mlx.core as mx
 
     from .models.default_model import NAME

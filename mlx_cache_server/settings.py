@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 ENV_PREFIX = "MLX_CACHE_SERVER_"
 

@@ -6,19 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from mlx_cache_server.runtime.blas import reexec_preloaded, to_preload
-from tests.tiny_model import build_tiny_model
+from mlx_cache_server.runtime.blas import use_openblas
 
+# Like the server, the tests run MLX's CPU matmuls on OpenBLAS where it is installed:
+# loaded before anything here imports MLX.
+use_openblas()
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Like the server, the tests run MLX's CPU matmuls on OpenBLAS, with our decode
-    # kernels in front, when they are there: re-run pytest with them preloaded, its
-    # output back on the terminal.
-    if to_preload():
-        capture = config.pluginmanager.getplugin("capturemanager")
-        if capture is not None:
-            capture.stop_global_capturing()
-        reexec_preloaded(["-m", "pytest", *config.invocation_params.args])
+from tests.tiny_model import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

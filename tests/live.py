@@ -95,7 +95,10 @@ class LiveServer:
 
 @contextmanager
 def serving(model_dir: str, **settings) -> Iterator[LiveServer]:
-    config = Settings(**settings)
+    """A server in this process, set up as `mlx-cache-server serve` would be with these
+    settings: the environment's MLX_CACHE_SERVER_* under them (the portable lane turns
+    the CPU fast path off so)."""
+    config = load_settings(None, settings)
     server = LiveServer(build_engine(config, model_dir), config).start()
     try:
         yield server

@@ -103,7 +103,7 @@ class Lifecycle(Generic[S]):
             try:
                 # Shielded: a client that leaves does not cancel a load others wait for.
                 await asyncio.wait_for(asyncio.shield(task), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 busy = self._blocked.get(spec.id)
                 why = (
                     f": it waits for room that busy models hold ({', '.join(busy)})" if busy else ""

@@ -1,20 +1,24 @@
-"""Use Debian's OpenBLAS for MLX's CPU matmuls when it is installed.
+"""Debian's OpenBLAS for MLX's CPU matmuls, where it is installed.
 
-The `mlx[cpu]` wheel bundles the reference BLAS, many times slower for float32
-prefill than OpenBLAS (bench/README.md, "The CPU path"). Our kernels for a decode
-step's products (`native.py`) go in front of it. Both have to be loaded before MLX is,
-so a process that lacks them re-executes itself once with LD_PRELOAD set; the user
-never has to know. Only a library `native.library()` has checked against its digest goes
-into LD_PRELOAD: a fault there kills the process before it can log a line.
+The `mlx[cpu]` wheel links the reference BLAS, many times slower for float32 prefill
+than OpenBLAS (bench/README.md, "The CPU path"). MLX's library leaves `cblas_sgemm` to
+the dynamic linker, which looks in the libraries loaded with global symbols before a
+library's own: OpenBLAS loaded that way before `mlx.core` is imported serves MLX's
+matmuls. Loaded after, it does not (the linker has bound MLX's library by then), so
+`use_openblas` runs before anything imports MLX (`cli.py`) and refuses once it has been.
+
+Nothing goes into the environment: no LD_PRELOAD, no re-execution, and a child process
+starts with what its own command loads. Only on Linux, and only for MLX's CPU backend:
+a CUDA build of MLX or macOS (Accelerate) loads nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
-
-from . import native
 
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -22,8 +26,10 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
     "/usr/lib/libopenblas.so.0",
 )
-_DONE = "MLX_CACHE_SERVER_BLAS_CHECKED"
-_WHY = "MLX_CACHE_SERVER_KERNELS_OFF"  # why the re-executed process has no kernels
+# MLX's CUDA backends, as the `mlx[cuda]` extras install them.
+CUDA_DISTRIBUTIONS = ("mlx-cuda-12", "mlx-cuda-13", "mlx-cuda")
+
+why_not: str | None = None  # why `use_openblas` loaded nothing, once it was called
 
 
 def find_openblas() -> str | None:
@@ -41,40 +47,42 @@ def openblas_loaded() -> bool:
         return False
 
 
-def preload(kernels: bool = True) -> list[str]:
-    """What a process running MLX on this CPU preloads, in order: our kernels (unless
-    `kernels` is False or they cannot be built), which hand what they do not compute to
-    the BLAS after them, then OpenBLAS. Nothing without OpenBLAS, or off Linux."""
-    openblas = find_openblas()
-    if not sys.platform.startswith("linux") or openblas is None:
-        return []
-    lib = native.library() if kernels else None
-    return [str(lib), openblas] if lib else [openblas]
+def cuda_backend() -> str | None:
+    """The installed distribution of MLX's CUDA backend, if any (read without importing
+    MLX, which would be too late for OpenBLAS)."""
+    for name in CUDA_DISTRIBUTIONS:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return name
+    return None
 
 
-def to_preload() -> list[str]:
-    """`preload()`'s libraries if this process lacks one it could have, else nothing."""
-    if os.environ.get(_DONE) or (openblas_loaded() and native.loaded() is not None):
-        return []
-    libs = preload()
-    if len(libs) == 1 and openblas_loaded():  # the kernels cannot be built here
-        return []
-    return libs
+def use_openblas() -> bool:
+    """Load OpenBLAS with its symbols global, for MLX's CPU matmuls, if this process can
+    use it: Linux, MLX's CPU backend, OpenBLAS installed, MLX not imported yet. Whether it
+    is loaded now (`why_not` says why not)."""
+    global why_not
+    why_not = _refusal()
+    if why_not is None and not openblas_loaded():
+        try:
+            ctypes.CDLL(find_openblas(), mode=os.RTLD_GLOBAL)
+        except OSError as e:
+            why_not = f"it does not load: {e}"
+    return why_not is None
 
 
-def reexec_preloaded(argv: list[str]) -> None:
-    """Replace this process by `argv` with `to_preload()`'s libraries, if that helps here."""
-    libs = to_preload()
-    if not libs:
-        return
-    env = dict(os.environ, **{_DONE: "1"})
-    env.pop(_WHY, None)
-    if native.problem:  # said in its log, without building again
-        env[_WHY] = native.problem
-    env["LD_PRELOAD"] = " ".join(p for p in (*libs, env.get("LD_PRELOAD", "")) if p)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *argv], env)
+def _refusal() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if (cuda := cuda_backend()) is not None:
+        return f"MLX runs on CUDA ({cuda})"
+    if find_openblas() is None:
+        return "not installed (apt-get install libopenblas0-pthread)"
+    if "mlx.core" in sys.modules and not openblas_loaded():
+        return "MLX was imported before it"
+    return None
 
 
 def describe() -> tuple[str, bool]:
@@ -82,14 +90,6 @@ def describe() -> tuple[str, bool]:
     if sys.platform == "darwin":
         return "Accelerate", True
     if openblas_loaded():
-        if native.loaded() is not None:
-            return "OpenBLAS (preloaded), a decode step's products on our kernels", True
-        # A re-executed child did not try the build itself: its parent said why, else
-        # trying it finds the reason.
-        why = native.problem or os.environ.get(_WHY)
-        why = why or ("not preloaded" if native.library() else native.problem)
-        return f"OpenBLAS (preloaded); our decode kernels are off ({why})", True
-    return (
-        "the reference BLAS bundled with mlx-cpu (slow; apt-get install libopenblas0-pthread)",
-        False,
-    )
+        return "OpenBLAS", True
+    why = f" ({why_not})" if why_not else ""
+    return f"the reference BLAS bundled with mlx-cpu{why}: slow", False

@@ -121,7 +121,7 @@ def skips_fillers(model: Any) -> bool:
 
 def install(model: Any) -> int:
     """Swap the class of `model`'s blocks that `Block` runs (after `kernel_layers.install`);
-    how many were swapped (0 where the extension cannot be built: `native.layers_problem`)."""
+    how many were swapped (0 where the extension cannot be built: `native.problem`)."""
     ops = native.layers()
     if ops is None or not ops.has_block():
         return 0

@@ -82,7 +82,7 @@ def _swapped(value: Any, ops: Any) -> Any:
 
 def install(model: Any) -> int:
     """Swap `model`'s RoPE and RMSNorm modules for ours; how many were swapped (0 where
-    the extension cannot be built: `native.layers_problem`)."""
+    the extension cannot be built: `native.problem`)."""
     ops = native.layers()
     if ops is None:
         return 0

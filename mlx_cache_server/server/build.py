@@ -24,6 +24,7 @@ from ..runtime import (
     cpu_fast_path,
     cpu_logprobs,
     kernel_layers,
+    kernel_linear,
     native,
 )
 from ..runtime.blas import describe as describe_blas
@@ -48,12 +49,14 @@ def build_engine(
         model, tokenizer = load_shard(model_path, group, settings.pipeline)
     fast = settings.cpu_fast_path
     cpu_attention.enabled = cpu_activations.enabled = cpu_logprobs.enabled = fast
-    kernel_layers.enabled = fast
+    kernel_layers.enabled = kernel_linear.enabled = fast
     if fast and mx.default_device() == mx.cpu:
         if not cpu_fast_path.install(model):
             log.warning("this model's attention cannot take the CPU fast path: MLX's is used")
         if native.layers() is None:
-            log.warning("RoPE and RMSNorm run as MLX's small ops: %s", native.layers_problem)
+            log.warning("our CPU kernels are off, MLX's own ops run: %s", native.problem)
+        else:
+            log.info("our CPU kernels: %s", native.variant)
     folder = model_folder(model_path)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or context_length_of(model)

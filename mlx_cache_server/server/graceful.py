@@ -39,7 +39,7 @@ class GracefulServer(uvicorn.Server):
         self.draining()  # streams that would run on forever end now
         try:
             await asyncio.wait_for(super()._wait_tasks_to_complete(), self.grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("grace period over: ending the requests still running")
             await asyncio.to_thread(self.stop_engines)
             await super()._wait_tasks_to_complete()

@@ -66,7 +66,7 @@ class BodyLimit:
             try:
                 left = deadline - asyncio.get_running_loop().time()
                 message = await asyncio.wait_for(receive(), max(left, 0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 refused = 408  # a body sent a trickle at a time would hold the request forever
                 return {"type": "http.disconnect"}  # the app stops reading here
             if message["type"] == "http.request":

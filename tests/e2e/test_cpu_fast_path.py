@@ -1,7 +1,7 @@
 """With the CPU fast path (attention's softmax and the logits' normalization through numpy;
-a few queries' attention, RoPE, RMSNorm, SwiGLU and a Llama block's work around attention
-as our primitives; on by default on the CPU), greedy output with the cache equals output
-without it, through the `openai` SDK."""
+a few queries' attention, RoPE, RMSNorm, SwiGLU, a Llama block's work around attention
+and a decode step's other products as our primitives; on by default on the CPU), greedy
+output with the cache equals output without it, through the `openai` SDK."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
         calls.append(args[0].shape)
         return real(*args)
 
-    def counting_kernel(*args):  # decode steps and short prompts, where it is preloaded
+    def counting_kernel(*args):  # decode steps and short prompts, where the kernels are
         kernel.append(args[0].shape)
         return real_kernel(*args)
 
@@ -38,11 +38,11 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
     if layers is not None:  # the servers' models take the primitives from this
         counted = type("Counted", (), {})()
         names = ("rope", "rms_norm", "inv_freq", "attention", "has_attention", "has_block",
-                 "block_input", "block_output", "swiglu")  # fmt: skip
+                 "block_input", "block_output", "swiglu", "linear")  # fmt: skip
         for name in names:
             real_op = getattr(layers, name)
             setattr(counted, name, lambda *a, op=real_op, n=name: primitives.append(n) or op(*a))
-        monkeypatch.setattr(native, "_layers", counted)
+        monkeypatch.setattr(native, "_module", counted)
 
     monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)  # every call, decode steps too
     monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
@@ -91,6 +91,7 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
     if layers is not None:
         # the blocks' work around attention as two nodes each, the last norm as one
         assert {"block_input", "block_output", "rms_norm"} <= set(primitives)
+        assert "linear" in primitives  # the output head's product, a step's few rows
         if kernel_attention.available():  # as a node of the graph
             assert "attention" in primitives
         assert not taken  # any SwiGLU outside a block is our node, not numpy's

@@ -54,9 +54,7 @@ def browser():
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1280,860"):  # fmt: skip
         options.add_argument(arg)
-    # Not the OpenBLAS preload the suite runs under (conftest.py): chromium's renderer dies of it.
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    driver = webdriver.Chrome(service=Service(DRIVER, env=env), options=options)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     driver.set_script_timeout(WAIT)
     yield driver
     driver.quit()

@@ -12,7 +12,7 @@ from mlx_cache_server.runtime import cpu_activations, native
 
 extension = pytest.mark.skipif(
     mx.default_device() != mx.cpu or native.layers() is None,
-    reason=f"the layers' extension is not built here: {native.layers_problem}",
+    reason=f"the layers' extension is not built here: {native.problem}",
 )
 
 

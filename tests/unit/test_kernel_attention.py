@@ -10,29 +10,8 @@ from mlx_lm.models import base
 from mlx_cache_server.runtime import kernel_attention, native
 
 pytestmark = pytest.mark.skipif(
-    not kernel_attention.available(), reason="the kernels' library is not preloaded"
+    not kernel_attention.available(), reason=f"no kernels' module here: {native.problem}"
 )
-
-
-CALLED = kernel_attention._called
-
-
-def not_this_way(*args):
-    raise AssertionError("called from Python, not as a node of the graph")
-
-
-@pytest.fixture(autouse=True, params=["node", "called"])
-def route(request, monkeypatch):
-    """Every test both ways: the kernel as a node of MLX's graph (the primitive), and
-    called from Python on evaluated arrays (where the extension cannot be built)."""
-    if request.param == "node":
-        if native.layers() is None:
-            pytest.skip(f"no extension: {native.layers_problem}")
-
-        monkeypatch.setattr(kernel_attention, "_called", not_this_way)
-    else:
-        monkeypatch.setattr(kernel_attention, "primitive", False)
-    return request.param
 
 
 def operands(b, heads, kv_heads, n_q, n_k, dim=64, vdim=None, seed=0, room=0):
@@ -201,24 +180,9 @@ def test_operands_strided_along_their_last_axis():
     )  # fmt: skip
 
 
-def test_both_ways_give_the_same_bits(route, monkeypatch):
-    q, k, v = operands(3, 9, 3, 5, 260, seed=7)
-    masks = ["causal", None, mx.array(np.random.default_rng(7).random((3, 1, 5, 260)) > 0.2)]
-    for mask in masks:
-        here = np.array(ours(q, k, v, mask))
-        with monkeypatch.context() as m:  # the other way
-            m.setattr(kernel_attention, "primitive", route == "called")
-            m.setattr(kernel_attention, "_called", not_this_way if route == "called" else CALLED)
-            there = np.array(ours(q, k, v, mask))
-        assert np.array_equal(here, there), mask if isinstance(mask, str) else type(mask)
-
-
 @pytest.mark.parametrize("mask", ["causal", "bool"])
-def test_a_pass_s_live_queries_only_have_the_same_bits_and_the_fillers_are_zeros(route, mask):
+def test_a_pass_s_live_queries_only_have_the_same_bits_and_the_fillers_are_zeros(mask):
     from mlx_cache_server.runtime.live_positions import live_positions
-
-    if route != "node":
-        pytest.skip("called from Python, the kernel computes every query")
 
     q, k, v = operands(4, 9, 3, 8, 600)
     held = mask

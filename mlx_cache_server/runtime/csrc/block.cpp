@@ -20,7 +20,6 @@
 
    float32 only; the weights row-contiguous and without biases (`kernel_block.py` swaps
    only such blocks and sends anything else to the model's own call). */
-#include <dlfcn.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -37,6 +36,10 @@
 #include <nanobind/stl/vector.h>
 
 #include "layers.h"
+extern "C" {
+#include "gemm.h"
+#include "pool.h"
+}
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
@@ -49,11 +52,8 @@ using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int
                           int, float, float*, int);
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
-/* `cblas_sgemm` as MLX's matmul finds it: the kernels library's where it is preloaded */
-sgemm_fn sgemm() {
-    static sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
-    return fn;
-}
+/* Our products (`gemm.c`), which hand what they do not compute to the process's BLAS */
+sgemm_fn sgemm() { return &mlxcs_sgemm; }
 
 /* rows (m, k) times w (n, k) transposed, into out (m, n) */
 void product(sgemm_fn f, const float* rows, int m, int k, const float* w, int n, float* out) {
@@ -331,6 +331,48 @@ mx::array swiglu_node(const mx::array& gate, const mx::array& up) {
                      {gate, up});
 }
 
+/* x @ w.T for the products outside a block's nodes (`kernel_linear`): our products for a
+   decode step's few rows, the BLAS for the rest (`mlxcs_sgemm` decides), so a row gets
+   the same bits here as in a block. x of any strides, w evaluated and row-contiguous. */
+class Linear : public mx::UnaryPrimitive {
+  public:
+    explicit Linear(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+    void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+        allocate(out);
+        const mx::array &x = in[0], &w = in[1];
+        int k = x.shape(-1), n = w.shape(0);
+        const float *xs = x.data<float>(), *ws = w.data<float>();
+        long step = x.strides().back();
+        float* o = out.data<float>();
+        mx::cpu::get_command_encoder(stream()).dispatch([=, starts = row_starts(x)]() {
+            int rows = static_cast<int>(starts.size());
+            Scratch packed(static_cast<long>(rows) * k);
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < k; i++) packed[static_cast<long>(r) * k + i] = xs[starts[r] + i * step];
+            if (rows) product(sgemm(), packed.get(), rows, k, ws, n, o);
+        });
+    }
+
+    void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+        throw std::runtime_error("mlx-cache-server's linear runs on the CPU only");
+    }
+
+    const char* name() const override { return "MlxcsLinear"; }
+
+    bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array linear(const mx::array& x, const mx::array& w) {
+    if (x.dtype() != mx::float32 || x.ndim() == 0 || w.ndim() != 2 ||
+        !weight_ok(w, w.shape(0), x.shape(-1)))
+        throw std::invalid_argument(
+            "linear takes float32 x (..., k) and an evaluated row-contiguous float32 w (n, k)");
+    mx::Shape shape = x.shape();
+    shape.back() = w.shape(0);
+    return mx::array(shape, mx::float32, std::make_shared<Linear>(cpu_stream()), {x, w});
+}
+
 /* lengths, where given: int32, one count a batch row (read on evaluation) */
 bool lengths_ok(const std::optional<mx::array>& lengths, const mx::array& x) {
     return !lengths || (lengths->dtype() == mx::int32 && lengths->ndim() == 1 &&
@@ -406,8 +448,13 @@ void define_block(nb::module_& m) {
     m.def("block_output", &block_output, nb::arg("x"), nb::arg("attended"), nb::arg("wo"),
           nb::arg("norm"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("eps"),
           nb::arg("lengths") = nb::none());
-    m.def("has_block", []() { return sgemm() != nullptr; });
+    m.def("has_block", []() { return true; });
+    m.def("gemm_calls", &mlxcs_gemm_calls);
+    m.def("gemm_max_rows", &mlxcs_gemm_max_rows);
+    m.def("pool_parts", &pool_parts);  // the threads products run on, for tests
+    m.def("pool_quiet", &mlxcs_pool_quiet);  // products under way on the BLAS, for tests
     m.def("swiglu", &swiglu_node, nb::arg("gate"), nb::arg("up"));
+    m.def("linear", &linear, nb::arg("x"), nb::arg("w"));
 }
 
 }  // namespace mlxcs

@@ -1,20 +1,20 @@
-/* cblas_sgemm in front of the BLAS, for the products of a decode step.
+/* The products of a decode step, for our primitives (`block.cpp`).
 
-   MLX's CPU matmul hands every product to sgemm. A decode step multiplies a few rows by
-   each weight matrix, and a BLAS's sgemm packs the whole weight into blocks before it
-   multiplies: for one row that copy costs as much as the product. Here a product of at
-   most MAX_ROWS rows by a transposed matrix (x @ W.T, how MLX's Linear calls it) reads
-   each row of W once, for every row of x, on every core; any other call goes on to the
-   BLAS loaded after this library.
+   A decode step multiplies a few rows by each weight matrix, and a BLAS's sgemm packs
+   the whole weight into blocks before it multiplies: for one row that copy costs as much
+   as the product. `mlxcs_sgemm` takes sgemm's arguments; a product of at most MAX_ROWS
+   rows by a transposed matrix (x @ W.T) reads each row of W once, for every row of x, on
+   every core, and any other call goes on to `cblas_sgemm`: the process's BLAS, OpenBLAS
+   where it was loaded before MLX (`blas.py`), else the one MLX's library links. Nothing
+   here replaces a symbol of another library.
 
    A row's result does not depend on the rows beside it or on the number of cores: each
    output is summed in the same order whatever the call's shape, so a row decoded alone
    and the same row in a batch or a draft's pass get the same bits. */
-#define _GNU_SOURCE
-#include <dlfcn.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
+#include "gemm.h"
 #include "pool.h"
 #include "vec.h"
 
@@ -28,9 +28,6 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define MIN_CHUNK_ROWS 64 /* and W's rows in one at least */
 #define MIN_WEIGHTS 65536 /* smaller products stay with the BLAS: no cores to wake */
 
-typedef void (*sgemm)(int, int, int, int, int, int, float, const float *, int,
-                      const float *, int, float, float *, int);
-
 struct product {
     int m, n, k, lda, ldb, ldc;
     float alpha, beta;
@@ -38,7 +35,10 @@ struct product {
     float *c;
 };
 
-static sgemm next; /* the BLAS's own */
+void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                 const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                 int ldc);
+
 static atomic_long calls; /* products computed here, for tests and the startup log */
 
 long mlxcs_gemm_calls(void) { return atomic_load(&calls); }
@@ -130,11 +130,7 @@ static void multiply(const void *task, int chunk) {
             }
 }
 
-__attribute__((constructor)) static void find_blas(void) {
-    next = (sgemm)dlsym(RTLD_NEXT, "cblas_sgemm");
-}
-
-void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+void mlxcs_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
     /* alpha 0: BLAS does not read A and B; left to it */
@@ -145,8 +141,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         atomic_fetch_add(&calls, 1);
         return;
     }
-    if (!next) abort(); /* loaded with no BLAS after it: nothing to hand the call to */
     pool_quiet(1);
-    next(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     pool_quiet(0);
 }

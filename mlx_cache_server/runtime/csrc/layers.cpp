@@ -19,7 +19,6 @@
 
    CPU only, float32 only: the Python side (`kernel_layers.py`, `kernel_attention.py`)
    sends everything else to MLX's own function. */
-#include <dlfcn.h>
 
 #include <cmath>
 #include <memory>
@@ -30,6 +29,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -139,16 +139,11 @@ class Rope : public mx::UnaryPrimitive {
 };
 
 
-/* The kernels library's attention (`attention.c`, preloaded: `native.py`), null where it
-   is not loaded. */
+/* Our attention kernel (`attention.c`), built into this module. */
 using attention_fn = int (*)(const struct attention*);
 constexpr int MAX_QUERIES = 16;  // as `kernel_attention.py`
 
-attention_fn kernel_attention() {
-    static attention_fn fn =
-        reinterpret_cast<attention_fn>(dlsym(RTLD_DEFAULT, "mlxcs_attention"));
-    return fn;
-}
+attention_fn kernel_attention() { return &mlxcs_attention; }
 
 /* A 4-D float32 operand as the kernel reads it, its last axis contiguous: the array's own
    buffer, or where its last axis is strided, a packed copy (`held`), made when the task
@@ -313,7 +308,9 @@ mx::array inv_freq(int dims, float base) {
 
 }  // namespace
 
-NB_MODULE(_mlxcs_layers, m) {
+/* One module per ISA variant (`setup.py`), each named for its file. */
+NB_MODULE(MLXCS_MODULE, m) {
+    m.def("built_with", []() { return std::string(MLXCS_BUILT_WITH); });
     m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
     m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("inv_freq"),
           nb::arg("dims"), nb::arg("traditional"), nb::arg("scale"));

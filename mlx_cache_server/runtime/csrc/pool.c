@@ -93,7 +93,11 @@ static void *work(void *arg) {
 /* A forked child has no workers: it runs every task alone. */
 static void forked(void) { parts = 1; }
 
-__attribute__((constructor)) static void start(void) {
+/* The workers start with the first task that can use them, not when the module is
+   loaded: a process that imports it and never computes a product starts no thread. */
+static pthread_once_t started = PTHREAD_ONCE_INIT;
+
+static void start(void) {
     cpu_set_t cpus;
     int n = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
     /* as many as asked for, else as many as OpenBLAS is given (ranks sharing a machine
@@ -111,9 +115,13 @@ __attribute__((constructor)) static void start(void) {
     }
 }
 
-int pool_parts(void) { return parts; }
+int pool_parts(void) {
+    pthread_once(&started, start);
+    return parts;
+}
 
 void pool_run(pool_task fn, const void *task, int chunks) {
+    if (chunks >= 2) pthread_once(&started, start);
     if (parts == 1 || chunks < 2 || chunks > 0xffff || pthread_mutex_trylock(&busy) != 0) {
         for (int chunk = 0; chunk < chunks; chunk++) fn(task, chunk);
         return;

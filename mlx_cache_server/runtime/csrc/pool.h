@@ -17,3 +17,6 @@ int pool_parts(void);
    pool_quiet(0) after. While any is under way, idle workers sleep at once instead of
    spinning on the cores those threads need. */
 void pool_quiet(int begins);
+
+/* How many products are under way on the BLAS's own threads (tests read it). */
+int mlxcs_pool_quiet(void);
