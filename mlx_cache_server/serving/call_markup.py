@@ -11,7 +11,12 @@ request reuses none of it. Each format here answers the same small protocol:
 - `grammar(tools, marker)`: a Lark grammar (llguidance's) for the rest of one call
   of one of `tools`, exactly as the template writes it back, its arguments held to
   the tool's schema (closed, as `closed_schema` reads it). `marker(text)` is the
-  grammar's spelling of a marker (a special token where the model has one).
+  grammar's spelling of a marker (a special token where the model has one);
+- `writes(template)`, where a format has it: whether the model's template writes its
+  calls in this form (one parser may read two, Mistral's and LongCat's).
+
+`call_formats` picks the format for a model (`call_format`) and holds the formats of
+the models whose markup is a variation on these.
 
 The prompt is the template's own write-back of a call turn, cut where the call's
 opening marker stands (`prompt_text`): where a generation prompt opens a thinking
@@ -23,7 +28,7 @@ Invariants:
 - Each format's grammar admits, for a call the template renders, exactly the text
   between the prompt's `prefix` and the end of the turn, and the model's parser
   (mlx-lm's `tool_parser`, or the format's own `parse` where that one misreads the
-  markup: `tool_parser`) reads the call back from it.
+  markup: `call_formats.tool_parser`) reads the call back from it.
 - String-typed parameters of the XML formats are raw text, as the templates write
   them (no `<`, no surrounding white space, which the parsers strip); other values
   are JSON or Python literals the way the template writes them. Gemma 4's and
@@ -44,7 +49,14 @@ from typing import Any, Protocol
 
 from mlx_lm.tool_parsers import mistral
 
-from .call_values import GemmaValues, Rules, plain_parameters, python_scalar
+from .call_values import (
+    GEMMA_QUOTE,
+    GEMMA_TEXT,
+    GemmaValues,
+    Rules,
+    plain_parameters,
+    python_scalar,
+)
 from .closed_schema import closed
 from .schema_checks import check_schema
 from .structured import TEMPLATE_JSON, forced_call_grammar
@@ -96,7 +108,7 @@ def _choice(alternatives: list[str]) -> str:
     return "(" + " | ".join(alternatives) + ")"
 
 
-def _rules(calls: list[str], tail: str) -> str:
+def call_rules(calls: list[str], tail: str) -> str:
     """The grammar: one of `calls` (Lark expressions), then `tail` (markers)."""
     return f"start: {_choice(calls)} {tail}\n"
 
@@ -138,6 +150,11 @@ class XmlParameters:
     close: str  # after the last parameter, before `end`
     scalars: str = "json"
     writes_end: bool = True
+    text: str = RAW  # a string value as the template writes it
+
+    def opening(self, name: str) -> str:
+        """What the call writes before its first parameter."""
+        return self.head + name + self.name_end
 
     def supports(self, tools: list[dict[str, Any]]) -> bool:
         return all(plain_parameters(tool, nested=False) for tool in tools)
@@ -155,9 +172,9 @@ class XmlParameters:
                     f"{marker(self.close_param)}"
                 )
                 parts.append(f"({one})" if name in required else f"({one})?")
-            name = marker(self.head + tool["function"]["name"] + self.name_end)
+            name = marker(self.opening(tool["function"]["name"]))
             calls.append(" ".join([name, *parts]) + f" {marker(self.close)}")
-        return _rules(calls, marker(self.end))
+        return call_rules(calls, marker(self.end))
 
     def value(self, prop: dict[str, Any]) -> str:
         """How the template writes a value of `prop`: strings raw, the rest as literals."""
@@ -168,7 +185,7 @@ class XmlParameters:
             return _choice([literal(c) for c in choices]) if choices else '""'
         kind = prop.get("type")
         if kind == "string":
-            return RAW
+            return self.text
         if kind == "integer":
             return INTEGER
         if kind == "number":
@@ -201,7 +218,7 @@ class KimiSections:
                 f"{marker('<|tool_call_begin|>')} {name} {marker('<|tool_call_argument_begin|>')} "
                 f"{json_value(parameters(tool, i))} {marker('<|tool_call_end|>')}"
             )
-        return _rules(calls, marker(self.end))
+        return call_rules(calls, marker(self.end))
 
 
 _MISTRAL_CALL = re.compile(r"\s*(?:\[TOOL_CALLS\]\s*)?([\w.-]+)\[CALL_ID\]([A-Za-z0-9]+)\[ARGS\]")
@@ -229,7 +246,7 @@ class MistralCalls:
             f"{marker('[ARGS]')} {json_value(parameters(tool, i))}"
             for i, tool in enumerate(tools)
         ]
-        return _rules(calls, "")
+        return call_rules(calls, "")
 
     def writes(self, template: Any) -> bool:
         """Whether `template` writes calls in this form (older Mistral templates write a
@@ -262,17 +279,20 @@ class GemmaCall:
     prefix: str = "<|tool_call>"
     end: str = "<tool_call|>"
     writes_end: bool = True
+    quote: str = GEMMA_QUOTE  # what a string stands between
+    text: str = GEMMA_TEXT  # a string's text
+    nested: bool = True  # whether the parser reads objects and lists
 
     def supports(self, tools: list[dict[str, Any]]) -> bool:
-        return all(plain_parameters(tool, nested=True) for tool in tools)
+        return all(plain_parameters(tool, nested=self.nested) for tool in tools)
 
     def grammar(self, tools: list[dict[str, Any]], marker: Marker = plain) -> str:
-        values = GemmaValues(marker)
+        values = GemmaValues(marker, self.quote, self.text)
         calls = []
         for i, tool in enumerate(tools):
             head = literal(f"call:{tool['function']['name']}{{")
             calls.append(f'{head} {values.fields(parameters(tool, i))} "}}"')
-        return _rules(calls, marker(self.end)) + values.text()
+        return call_rules(calls, marker(self.end)) + values.text()
 
 
 @dataclass(frozen=True)
@@ -302,7 +322,7 @@ class PythonCall:
             ]
             head = literal(f"[{tool['function']['name']}(")
             calls.append(f'{head} {rules.listed(items, ", ")} ")]"')
-        return _rules(calls, marker(self.end)) + rules.text()
+        return call_rules(calls, marker(self.end)) + rules.text()
 
     def value(self, prop: Any) -> str:
         prop = prop if isinstance(prop, dict) else {}
@@ -324,34 +344,6 @@ GLM47 = XmlParameters(
     head="", name_end="", open_param="<arg_key>", param_sep="</arg_key><arg_value>",
     close_param="</arg_value>", close="",
 )  # fmt: skip
-
-# mlx-lm's parser module -> the format its template writes calls in. Parsers not here
-# (function_gemma, ...) keep the server's bare JSON call.
-FORMATS: dict[str, CallFormat] = {
-    "json_tools": JsonBetweenMarkers(),
-    "qwen3_coder": QWEN3_CODER,
-    "minimax_m2": MINIMAX_M2,
-    "glm47": GLM47,
-    "kimi_k2": KimiSections(),
-    "mistral": MistralCalls(),
-    "gemma4": GemmaCall(),
-    "pythonic": PythonCall(),
-}
-
-
-def call_format(tokenizer: Any) -> CallFormat | None:
-    """The format of the model's tool calls, by the parser mlx-lm picked for it."""
-    parser = getattr(tokenizer, "tool_parser", None)
-    module = getattr(parser, "__module__", "") or ""
-    form = FORMATS.get(module.rsplit(".", 1)[-1]) if module else None
-    template = getattr(tokenizer, "chat_template", None)
-    return None if isinstance(form, MistralCalls) and not form.writes(template) else form
-
-
-def tool_parser(tokenizer: Any) -> Callable[[str, Any], Any]:
-    """What reads the model's calls: its format's own reader where mlx-lm's misreads the
-    markup (`MistralCalls.parse`), else mlx-lm's parser."""
-    return getattr(call_format(tokenizer), "parse", None) or tokenizer.tool_parser
 
 
 def token_marker(tokenizer: Any) -> Marker:

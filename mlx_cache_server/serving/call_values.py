@@ -92,10 +92,15 @@ def _kinds(prop: dict[str, Any]) -> list[str]:
 
 class GemmaValues:
     """Values in Gemma 4's `format_argument` syntax, held to their schemas: the
-    rules they need gather here (`rules.text()` ends the grammar)."""
+    rules they need gather here (`rules.text()` ends the grammar). FunctionGemma's
+    template writes the same syntax, its strings between `<escape>` tokens (`quote`),
+    and its parser ends a call at the first `}` (`text` holds none)."""
 
-    def __init__(self, marker: Callable[[str], str]) -> None:
+    def __init__(
+        self, marker: Callable[[str], str], quote: str = GEMMA_QUOTE, text: str = GEMMA_TEXT
+    ) -> None:
         self.marker, self.rules, self.generic = marker, Rules("gemma"), False
+        self.quote, self.text_regex = quote, text
 
     def fields(self, schema: dict[str, Any]) -> str:
         """An object's `key:value` pairs, comma-separated, keys in `dictsort` order."""
@@ -123,7 +128,7 @@ class GemmaValues:
 
     def typed(self, kind: str, prop: dict[str, Any]) -> str:
         if kind == "string":
-            return self.string(GEMMA_TEXT)
+            return self.string(self.text_regex)
         if kind in SCALARS:
             return SCALARS[kind]
         if kind == "object" and isinstance(prop.get("properties"), dict):
@@ -134,7 +139,7 @@ class GemmaValues:
         return self.any()
 
     def string(self, text: str) -> str:
-        quote = self.marker(GEMMA_QUOTE)
+        quote = self.marker(self.quote)
         return f"{quote} {text} {quote}"
 
     def literal(self, value: Any) -> str:
@@ -163,7 +168,7 @@ class GemmaValues:
             return self.rules.text()
         pair = f'/[A-Za-z0-9_]+/ ":" {GENERIC}'
         return self.rules.text() + (
-            f'{GENERIC}: {self.string(GEMMA_TEXT)} | {PY_NUMBER} | "true" | "false"'
+            f'{GENERIC}: {self.string(self.text_regex)} | {PY_NUMBER} | "true" | "false"'
             f' | "{{" ({pair} ("," {pair})*)? "}}"'
             f' | "[" ({GENERIC} ("," {GENERIC})*)? "]"\n'
         )

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..engine import Engine
 from ..engine.text import overlap
-from . import call_history, call_markup, harmony, prompted_tools
+from . import call_formats, call_history, call_markup, harmony, prompted_tools
 from .errors import APIError
 from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
 from .structured import checked, forced_call_grammar
@@ -96,7 +96,7 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
         )
     if harmony.is_harmony(engine.tokenizer):  # the call in harmony's markup, as written back
         return ToolPlan("forced", shown, harmony.forced_call_grammar(chosen))
-    form = call_markup.call_format(engine.tokenizer) if templated else None
+    form = call_formats.call_format(engine.tokenizer) if templated else None
     if form is not None and form.supports(chosen):  # the model's own markup, written back
         marker = call_markup.token_marker(engine.tokenizer)
         grammar = checked(form.grammar(chosen, marker), "tools", strict=False)
@@ -194,7 +194,7 @@ class ToolCallText:
             self.parser = lambda text, _tools: prompted_tools.parse(text)
         else:
             self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
-            self.parser = call_markup.tool_parser(tokenizer)
+            self.parser = call_formats.tool_parser(tokenizer)
         self.tools = tools
         self.pending, self.inside = "", False
 

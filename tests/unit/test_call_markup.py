@@ -16,7 +16,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from mlx_cache_server.serving import call_markup
+from mlx_cache_server.serving import call_formats, call_markup
 from mlx_cache_server.serving.structured import checked
 from mlx_cache_server.serving.template import templated_history
 from tests.real_templates import REAL_TEMPLATES
@@ -51,7 +51,7 @@ def server_history(path: Path, messages: list[dict]) -> list[dict]:
     return templated_history(tokenizer, messages)
 
 
-FORMATTED = [p for p in sorted(TEMPLATES.glob("*.jinja")) if parser_of(p) in call_markup.FORMATS]
+FORMATTED = [p for p in sorted(TEMPLATES.glob("*.jinja")) if parser_of(p) in call_formats.FORMATS]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def call_turn(name: str, arguments: dict) -> list[dict]:
 def generated(path: Path, tools: list[dict], name: str, arguments: dict):
     """The forced call's prompt, and the text after it the template writes back for the
     call: what the model must generate for the next turn to reuse it."""
-    form = call_markup.FORMATS[parser_of(path)]
+    form = call_formats.FORMATS[parser_of(path)]
     render = renderer(path, tools)
     prompt = call_markup.prompt_text(render, USER, tools, form)
     if prompt is None:  # the template writes no call: the generation prompt, as the server
@@ -215,9 +215,9 @@ def test_mistral_calls_are_read_with_their_ids_where_mlx_lm_takes_the_id_for_the
 
 def test_only_a_mistral_template_that_writes_call_ids_gets_the_markup(tokenizer):
     engine = mistral_engine(tokenizer[0])
-    assert isinstance(call_markup.call_format(engine.tokenizer), call_markup.MistralCalls)
+    assert isinstance(call_formats.call_format(engine.tokenizer), call_markup.MistralCalls)
     older = mistral_engine(tokenizer[0], "{{ '[TOOL_CALLS]' + (calls | tojson) }}")
-    assert call_markup.call_format(older.tokenizer) is None
+    assert call_formats.call_format(older.tokenizer) is None
 
 
 def test_the_server_gives_a_forced_mistral_call_the_id_it_generated(tokenizer):
