@@ -20,7 +20,7 @@ from mlx_cache_server.models.pool import ModelPool
 from mlx_cache_server.server import build_engine, create_app
 from mlx_cache_server.server.connections import uvicorn_config
 from mlx_cache_server.serving.metrics import Metrics
-from mlx_cache_server.settings import Settings
+from mlx_cache_server.settings import Settings, load_settings
 
 
 def free_port() -> int:
