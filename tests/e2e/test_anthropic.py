@@ -10,6 +10,9 @@ import pytest
 from tests.helpers import WEATHER_PARAMETERS
 from tests.live import serving
 
+# Also run with our kernels and the CPU fast path off (README, the portable lane).
+pytestmark = pytest.mark.portable
+
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",

@@ -5,6 +5,8 @@ output with the cache equals output without it, through the `openai` SDK."""
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import pytest
 from openai import OpenAI
@@ -98,3 +100,20 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
     else:
         assert taken and all(taken)  # every SwiGLU through numpy
     assert len(normalized) >= generated and all(normalized)  # each token's, through numpy
+
+
+@pytest.mark.portable
+def test_a_server_takes_our_modules_only_with_the_fast_path_on(tiny_model_dir):
+    """What the portable lane (README) rests on: with MLX_CACHE_SERVER_CPU_FAST_PATH=0 in
+    the environment a server's model keeps mlx-lm's modules, as on a Mac or a GPU."""
+    off = os.environ.get("MLX_CACHE_SERVER_CPU_FAST_PATH", "").lower() in ("0", "false", "no")
+    with serving(str(tiny_model_dir), served_model_name="tiny") as live:
+        ours = [
+            type(m).__name__
+            for m in live.engine.model.modules()
+            if type(m).__module__.startswith("mlx_cache_server.runtime")
+        ]
+    if off or native.layers() is None:
+        assert ours == []
+    else:  # RoPE and norms, the blocks and the output head's product
+        assert {"Block", "RMSNorm", "Embedding"} <= set(ours)

@@ -17,6 +17,9 @@ from mlx_cache_server.models.specs import ModelSpec
 from tests.e2e.test_models import client, serving_models
 from tests.tiny_model import build_tiny_model
 
+# Also run with our kernels and the CPU fast path off (README, the portable lane).
+pytestmark = pytest.mark.portable
+
 TEXTS = ["Paris is the capital of France.", "hi", "A longer sentence about the cache, for padding."]
 
 

@@ -14,6 +14,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_cache_server.prompt_cache import PromptCache
 from mlx_cache_server.prompt_cache.radix import common_prefix_length
 
+# Also run with our kernels and the CPU fast path off (README, the portable lane).
+pytestmark = pytest.mark.portable
+
 SYSTEM = "You are a terse assistant. Answer in one line. " * 6
 
 

@@ -18,6 +18,9 @@ from mlx_cache_server.prompt_cache.radix import common_prefix_length
 from tests.hybrid_models import ARCHS, build_hybrid_model
 from tests.live import serving
 
+# Also run with our kernels and the CPU fast path off (README, the portable lane).
+pytestmark = pytest.mark.portable
+
 SYSTEM = "You are a careful assistant; answer briefly and cite your sources. " * 5
 CONVERSATIONS = [["Hi there.", "Tell me more.", "And then?"], ["What is 2+2?", "Why?"]]
 # Qwen3's with thinking off: the generation prompt holds an empty thinking block that the

@@ -9,6 +9,9 @@ import pytest
 
 from tests.helpers import wait_until
 
+# Also run with our kernels and the CPU fast path off (README, the portable lane).
+pytestmark = pytest.mark.portable
+
 GREEDY = {"temperature": 0}
 
 

@@ -75,6 +75,7 @@ def engines(request, tiny_model_dir):
     off.stop()
 
 
+@pytest.mark.portable
 def test_greedy_output_is_the_same_with_drafts_verified(engines):
     on, off, model = engines
     tokens = prompt_of(on)
@@ -198,6 +199,7 @@ def test_a_seeded_sampled_reply_is_drafted_and_is_the_one_it_is_without(engines,
         assert on.stats.accepted > accepted  # it copies the source back, drafts and all
 
 
+@pytest.mark.portable
 def test_two_streams_verify_drafts_together_and_decode_as_without(engines, monkeypatch):
     """A second stream joins the first: they verify their drafts in one pass (the short
     one runs beside the long one throughout, rows of unequal drafts computed as far as
@@ -269,6 +271,7 @@ def test_a_request_cancelled_between_drafts_ends_and_the_engine_goes_on(engines)
     assert got.text == want.text and got.started.cached_tokens > 0
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("draft_seed", [0, 1])
 def test_a_draft_model_drafts_where_lookup_finds_nothing(tiny_model_dir, tmp_path, draft_seed):
     """The target itself as its draft model (seed 0): every draft right; another random model

@@ -10,6 +10,9 @@ from openai import OpenAI
 
 from tests.helpers import WEATHER_PARAMETERS
 
+# Also run with our kernels and the CPU fast path off (README, the portable lane).
+pytestmark = pytest.mark.portable
+
 WEATHER = {
     "type": "function",
     "function": {
