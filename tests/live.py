@@ -11,6 +11,7 @@ import time
 from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -93,12 +94,18 @@ class LiveServer:
             self.engine.cache.disk.close(10)
 
 
+def settings_of(**settings: Any) -> Settings:
+    """`Settings` as the command reads them: the environment's MLX_CACHE_SERVER_* under
+    these (the portable lane turns the CPU fast path off so)."""
+    return load_settings(None, settings)
+
+
 @contextmanager
 def serving(model_dir: str, **settings) -> Iterator[LiveServer]:
     """A server in this process, set up as `mlx-cache-server serve` would be with these
     settings: the environment's MLX_CACHE_SERVER_* under them (the portable lane turns
     the CPU fast path off so)."""
-    config = load_settings(None, settings)
+    config = settings_of(**settings)
     server = LiveServer(build_engine(config, model_dir), config).start()
     try:
         yield server

@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 
 from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started
+from mlx_cache_server.runtime import kernel_block
 from mlx_cache_server.runtime.blas import describe as describe_blas
 from mlx_cache_server.server import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
+from tests.live import settings_of
 
 # Without a fast BLAS the server turns speculation off (a pass over a draft costs more).
 pytestmark = pytest.mark.skipif(
@@ -48,7 +50,7 @@ class Run:
 
 
 def engine_for(model_dir: str, speculation: bool, **settings: Any):
-    engine = build_engine(Settings(speculation=speculation, **settings), model_dir)
+    engine = build_engine(settings_of(speculation=speculation, **settings), model_dir)
     engine.start()
     return engine
 
@@ -224,7 +226,11 @@ def test_two_streams_verify_drafts_together_and_decode_as_without(engines, monke
         out.append((long.text, short.text, long.finished.reason, short.finished.reason))
         if engine is engines[0] and engines[2] == "default":
             assert short.finished.drafted > 0 and short.finished.accepted > 0
-            assert ragged  # passes whose rows' drafts differ in length
+            # Passes whose rows' drafts differ in length: chosen where a pass's fillers
+            # cost nothing (our kernels); without them the rows' drafts are cut to one
+            # length where that is cheaper (`draft_length(padded=True)`), timing decides.
+            if kernel_block.skips_fillers(engine.model):
+                assert ragged
     assert out[0] == out[1]
 
 

@@ -291,15 +291,15 @@ def test_constrained_and_free_requests_admitted_together_each_get_their_own(
     from mlx_cache_server.engine.constraint import build_constraint
     from mlx_cache_server.server import build_engine
     from mlx_cache_server.serving.structured import json_grammar
-    from mlx_cache_server.settings import Settings
     from tests.helpers import ended, wait_until
+    from tests.live import settings_of
 
     grammars = {
         name: json_grammar(SCHEMAS[name], "schema") for name in ("array", "enum and integer")
     }
 
     def run(names, together):
-        engine = build_engine(Settings(no_cache=True), str(tiny_tools_model_dir))
+        engine = build_engine(settings_of(no_cache=True), str(tiny_tools_model_dir))
         prompt = engine.tokenizer.apply_chat_template(ASK, add_generation_prompt=True)
 
         def params(name):
