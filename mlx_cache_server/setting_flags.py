@@ -1,16 +1,31 @@
-"""What `Settings` declares, as `serve`'s flags: generated from the settings' forms,
-`Flag`s, defaults and descriptions, so that a setting is declared once."""
+"""What `Settings` declares, as `serve`'s flags and as the reference in docs/configuration.md.
+
+Both are generated from the settings' forms, `Flag`s, defaults and descriptions, so that a
+setting is declared once. Rewrite the reference after changing a setting with
+`python -m mlx_cache_server.setting_flags` (tests/unit/test_settings_reference.py fails
+until then).
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, get_args, get_origin
 
 from pydantic.fields import FieldInfo
 
 from .setting_types import Flag, Form
-from .settings import Settings
+from .settings import ENV_PREFIX, Settings
+
+BEGIN = (
+    "<!-- The settings reference, generated from mlx_cache_server/settings.py: change it "
+    "there and run `python -m mlx_cache_server.setting_flags`. -->"
+)
+END = "<!-- End of the settings reference. -->"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,41 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(option.name, help=option.help.replace("%", "%%"), **kwargs)
 
 
+def reference() -> str:
+    """The settings reference: every setting, its flags, default and description."""
+    intro = (
+        "Every setting is a key of the `--config` file and an environment variable, "
+        f"`{ENV_PREFIX}` and its name in capitals (`{ENV_PREFIX}PORT=9000`); those with a "
+        "flag are set on the command line too. A size is a number of bytes or text such as "
+        "`512MiB`, `2GB` or `1.5g`. In the environment a list is separated by commas, a "
+        "switch is on for `1`, `true` or `yes` (off for anything else), and a table is a "
+        "JSON object."
+    )
+    lines = [
+        textwrap.fill(intro, width=100),
+        "",
+        "| Setting | Flag | Default | Description |",
+        "|---|---|---|---|",
+    ]
+    for name, info in Settings.model_fields.items():
+        flags = ", ".join(
+            f"`{o.name}`" + (" (repeatable)" if o.action == "append" else "")
+            for o in options(name, info)
+        )
+        cells = [f"`{name}`", flags or "", _default(info), info.description or ""]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def with_reference(doc: str) -> str:
+    """`doc` with the text between its reference markers generated anew."""
+    head, begin, rest = doc.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"the reference's markers are missing: {BEGIN} ... {END}")
+    return f"{head}{BEGIN}\n\n{reference()}\n\n{END}{tail}"
+
+
 def _form(info: FieldInfo) -> Form:
     """The setting's form, annotated on it or, for an optional one, on its type."""
     found = [m for m in info.metadata if isinstance(m, Form)]
@@ -66,3 +116,22 @@ def _action(info: FieldInfo) -> str | None:
     if get_origin(info.annotation) is list:
         return "append"
     return None
+
+
+def _default(info: FieldInfo) -> str:
+    if info.default is None:
+        return "unset"
+    if info.default in ([], {}):
+        return "none"
+    return f"`{_form(info).show(info.default)}`"
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite the reference in the file named (default: docs/configuration.md)."""
+    path = Path(argv[0]) if argv else DOC
+    path.write_text(with_reference(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

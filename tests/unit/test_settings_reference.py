@@ -1,14 +1,18 @@
-"""Each setting is declared once, in `Settings`: `serve`'s flags are generated from it, and
-the flags the command has always taken set what they always set."""
+"""Each setting is declared once, in `Settings`: `serve`'s flags and the reference in
+docs/configuration.md are generated from it, and the flags the command has always taken
+set what they always set."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from mlx_cache_server.cli import _parser, settings_of
+from mlx_cache_server.setting_flags import with_reference
 
+DOC = Path(__file__).parents[2] / "docs" / "configuration.md"
 GiB, MiB = 1024**3, 1024**2
 
 # Every flag of `serve` before the flags were generated, and what each sets.
@@ -66,6 +70,11 @@ def serve_flags(capsys) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
 
 
+def test_the_reference_in_the_docs_is_generated_from_the_settings():
+    doc = DOC.read_text()
+    assert with_reference(doc) == doc, "run `python -m mlx_cache_server.setting_flags`"
+
+
 def test_serve_takes_the_flags_it_always_took(capsys):
     always = {argv[0] for argv, _, _ in FLAGS} | {"--help", "--config", "--model"}
     assert serve_flags(capsys) == always
@@ -92,3 +101,8 @@ def test_repeated_models_are_the_model_and_more_models(tmp_path):
     settings = settings_of(args)
     assert settings.model == "/m/a"
     assert settings.models == [{"path": "/m/file"}, {"path": "/m/b"}]
+
+
+def test_the_docs_usage_names_only_flags_serve_takes(capsys):
+    usage = DOC.read_text().split("```")[1].split("mlx-cache-server import-gguf")[0]
+    assert set(re.findall(r"--[a-z][a-z-]*", usage)) <= serve_flags(capsys)
