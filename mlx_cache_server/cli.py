@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .setting_flags import add_setting_flags
+
 if TYPE_CHECKING:
     from .server.loader import ServedModel
     from .settings import Settings
@@ -24,157 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlx-cache-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve.add_argument(
-        "--model",
-        action="append",
-        help="model folder, Hugging Face id or .gguf file (default: embedded); repeat to serve "
-        "several, loaded on first use; the first is the default",
-    )
-    serve.add_argument("--served-model-name", help="the id clients use for the first model")
-    serve.add_argument(
-        "--model-alias",
-        dest="model_aliases",
-        action="append",
-        help="another name clients may send for the model, e.g. gpt-4o (repeatable)",
-    )
-    serve.add_argument(
-        "--memory-budget",
-        help="bytes all loaded models may take (weights, caches, working memory), e.g. 16GiB: "
-        "loading one that does not fit unloads the least recently used idle ones",
-    )
-    serve.add_argument(
-        "--model-ttl", type=float, help="unload a model idle this many seconds (default: never)"
-    )
-    serve.add_argument(
-        "--working-memory", help="per model, beyond weights and cache, in the budget (512MiB)"
-    )
-    serve.add_argument(
-        "--model-load-timeout", type=float, help="seconds a request waits for its model (300)"
-    )
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8080)")
     serve.add_argument("--config", type=Path, help="a TOML settings file, see configs/")
-    serve.add_argument("--cache-max-sequences", type=int, help="cached sequences at most")
-    serve.add_argument(
-        "--cache-max-bytes",
-        help="cache byte budget, e.g. 2GiB (default: a quarter of --memory-budget, else an "
-        "eighth of the machine's memory)",
-    )
-    serve.add_argument("--no-cache", action="store_true", default=None, help="serve uncached")
-    serve.add_argument("--cache-dir", help="a folder for the cache's disk tier (kept on restart)")
-    serve.add_argument("--cache-disk-bytes", help="the disk tier's byte budget (default 16GiB)")
-    serve.add_argument("--warm-prompts", help="a JSON file of prompts to prefill at start")
-    serve.add_argument("--context-length", type=int, help="override the model's context")
-    serve.add_argument(
-        "--temp", dest="temperature", type=float, help="temperature when a request sends none"
-    )
-    serve.add_argument("--top-p", type=float, help="top_p when a request sends none")
-    serve.add_argument("--top-k", type=int, help="top_k when a request sends none")
-    serve.add_argument("--min-p", type=float, help="min_p when a request sends none")
-    serve.add_argument(
-        "--max-tokens",
-        dest="default_max_tokens",
-        type=int,
-        help="max_tokens when a request sends none",
-    )
-    serve.add_argument(
-        "--strip-attribution-header",
-        action="store_true",
-        default=None,
-        help="cut Claude Code's per-request x-anthropic-billing-header line from system prompts "
-        "(the default)",
-    )
-    serve.add_argument(
-        "--keep-attribution-header",
-        dest="strip_attribution_header",
-        action="store_false",
-        default=None,
-        help="keep Claude Code's attribution line: each of its conversations then shares "
-        "nothing in the cache with another",
-    )
-    serve.add_argument(
-        "--decode-gap",
-        type=float,
-        help="seconds running streams should wait at most while prompts prefill (default 0.8)",
-    )
-    serve.add_argument(
-        "--draft-model",
-        help="a small model of the same tokenizer (a folder or hub id) that drafts a lone "
-        "stream's next tokens where prompt lookup finds none",
-    )
-    serve.add_argument(
-        "--num-draft-tokens", type=int, help="tokens the draft model drafts a step (default 3)"
-    )
-    serve.add_argument(
-        "--no-speculation",
-        dest="speculation",
-        action="store_false",
-        default=None,
-        help="decode one token a step always: no prompt-lookup drafts (same output, slower)",
-    )
-    serve.add_argument(
-        "--no-cpu-fast-path",
-        dest="cpu_fast_path",
-        action="store_false",
-        default=None,
-        help="on the CPU, keep MLX's own softmax, SwiGLU and logprobs (slower on Linux)",
-    )
-    serve.add_argument(
-        "--kv-bits",
-        type=int,
-        help="keep the KV cache quantized to 8 or 4 bits (2, 3, 5, 6 too): more context per byte",
-    )
-    serve.add_argument(
-        "--kv-group-size", type=int, help="values per quantization group of --kv-bits (64)"
-    )
-    serve.add_argument(
-        "--shard-timeout",
-        type=float,
-        help="under mlx.launch: seconds a step may wait on the other processes before the "
-        "server takes them for dead and stops (60)",
-    )
-    serve.add_argument(
-        "--pipeline",
-        action="store_true",
-        default=None,
-        help="under mlx.launch: split the model's layers over the processes (default: split "
-        "every layer's heads)",
-    )
-    serve.add_argument("--log-level", help="debug, info, warning or error")
-    serve.add_argument(
-        "--api-key",
-        dest="api_keys",
-        action="append",
-        help="require this Bearer key (repeat for several tenants)",
-    )
-    serve.add_argument("--admin-key", help="key for /v1/cache and /metrics")
-    serve.add_argument(
-        "--cors-origin",
-        dest="cors_origins",
-        action="append",
-        help="allow browser requests from this origin (repeatable, or *)",
-    )
-    serve.add_argument(
-        "--no-ui",
-        dest="ui",
-        action="store_false",
-        default=None,
-        help="serve no web page at / (the chat page) and /ui/cache (the cache page)",
-    )
-    serve.add_argument("--max-body-bytes", help="largest request body, e.g. 8MiB")
-    serve.add_argument("--max-messages", type=int, help="most messages in one chat request")
-    serve.add_argument("--max-queue", type=int, help="waiting requests before a 429")
-    serve.add_argument("--request-timeout", type=float, help="seconds a generation may take")
-    serve.add_argument(
-        "--shutdown-grace", type=float, help="seconds running requests get to finish on SIGTERM"
-    )
-    serve.add_argument("--max-connections", type=int, help="connections past it are closed")
-    serve.add_argument(
-        "--header-timeout", type=float, help="seconds a client has to send a request's headers"
-    )
-    serve.add_argument(
-        "--write-timeout", type=float, help="seconds to wait for a client that stopped reading"
-    )
+    add_setting_flags(serve)  # every other flag: a setting's (mlx_cache_server/settings.py)
     imp = sub.add_parser("import-gguf", help="turn a llama/qwen2 GGUF file into an MLX folder")
     imp.add_argument("gguf", type=Path, help="the .gguf file")
     imp.add_argument("out", type=Path, help="the folder to write")
@@ -218,6 +71,19 @@ def import_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The settings `serve`'s command line gives, over the environment's and the file's: its
+    first --model is the `model` setting, the others more models after the file's."""
+    from .settings import load_settings
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    paths = flags.pop("model") or []
+    flags["model"] = paths[0] if paths else None
+    settings = load_settings(args.config, flags)
+    settings.models = settings.models + [{"path": p} for p in paths[1:]]
+    return settings
+
+
 def follow(settings: Settings, path: str, group: Any) -> int:
     """A rank other than 0: run the steps rank 0 hands over until it stops; the exit status."""
     from .server.build import build_engine
@@ -256,14 +122,9 @@ def serve(args: argparse.Namespace) -> int:
     from .server.sharded import launched_group, refusal, watch
     from .serving.metrics import Metrics
     from .serving.warm import load_warm_prompts
-    from .settings import load_settings
 
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    paths = flags.pop("model") or []
-    flags["model"] = paths[0] if paths else None
     try:
-        settings = load_settings(args.config, flags)
-        settings.models = settings.models + [{"path": p} for p in paths[1:]]
+        settings = settings_of(args)
         specs = model_specs(settings, NAME)
         check_paths(specs)
     except (OSError, ValueError) as e:

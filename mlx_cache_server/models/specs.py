@@ -10,7 +10,7 @@ top (`ModelSpec.settings`), so one code path builds an engine for any of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,8 @@ class ModelSpec:
                 **base.chat_template_kwargs,
                 **overrides["chat_template_kwargs"],
             }
-        return replace(
-            base, served_model_name=self.id, model_aliases=list(self.aliases), **overrides
-        )
+        own = {"served_model_name": self.id, "model_aliases": list(self.aliases), **overrides}
+        return base.model_copy(update=own)
 
     def names(self) -> set[str]:
         """Every name a request may use for this model."""

@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +100,7 @@ class ModelLoader:
             # An unbounded cache would make the budget meaningless, and one client's
             # distinct long prompts could fill the machine.
             budget, _ = self._default_cache_bytes(settings)
-            settings = replace(settings, cache_max_bytes=budget)
+            settings = settings.model_copy(update={"cache_max_bytes": budget})
         return settings
 
     def _default_cache_bytes(self, settings: Settings) -> tuple[int, str]:
