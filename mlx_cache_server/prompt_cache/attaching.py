@@ -2,29 +2,37 @@
 sharing), a segment and a checkpoint (hybrid models), or a whole snapshot; and the
 split of an edge an insert ends inside.
 
-`Attaching` is a part of `PromptCache` (its methods run under the cache's lock).
+Invariants: room is made (`Budget.make_room`) before anything is hung, and what is hung
+is counted in the ledger as it is; a refused attach hangs nothing and the sequence it
+would have extended is still cached (what was evicted for room stays evicted).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from . import layers, planning
+from .budget import Budget
+from .ledger import Ledger
 from .radix import TOKEN, Node, Walk, add_child, split
 from .tree import ModelTree
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Any
 
-    from .eviction import LRUOrder
+class Attacher:
+    """Hangs what an insert (or a load from disk) prepared in a `PromptCache`'s trees.
 
+    Given the cache's ledger (bookkeeping of what is hung), its budget (room for it) and
+    its `measure`. Every method expects the cache's lock held, and the node it attaches
+    under pinned.
+    """
 
-class Attaching:
-    measure: Callable[[Any], int]
-    _lru: LRUOrder[Node, ModelTree]
+    def __init__(self, ledger: Ledger, budget: Budget, measure: Callable[[Any], int]) -> None:
+        self._ledger = ledger
+        self._budget = budget
+        self._measure = measure
 
-    def _anchor(self, tree: ModelTree, w: Walk, n: int, prep: planning.Prepared) -> Node:
+    def anchor(self, tree: ModelTree, w: Walk, n: int, prep: planning.Prepared) -> Node:
         """The node the new sequence ends at or hangs from, splitting an edge if needed."""
         end = w.nodes[-1] if w.nodes else tree.root
         if not w.partial or (tree.layout.sliceable and w.length == n):
@@ -38,48 +46,50 @@ class Attaching:
             halves = layers.cut_segment(end.segment, 0, k), layers.cut_segment(end.segment, k)
         head = split(end, k)
         head.segment, end.segment = halves
-        head.segment_nbytes = self.measure(halves[0])
-        end.segment_nbytes = self.measure(halves[1])
+        head.segment_nbytes = self._measure(halves[0])
+        end.segment_nbytes = self._measure(halves[1])
         if end.window_held > end.size:  # the window KV reaches into the head's tokens
             over = end.window_held - end.size
             head.window = layers.cut_segment(end.window, 0, over)
             end.window = layers.cut_segment(end.window, over)
             head.window_held, end.window_held = over, end.size
             before = end.window_nbytes
-            head.window_nbytes, end.window_nbytes = map(self.measure, (head.window, end.window))
-            self._add_bytes(tree, head.window_nbytes + end.window_nbytes - before)
+            head.window_nbytes, end.window_nbytes = map(self._measure, (head.window, end.window))
+            self._ledger.add_bytes(tree, head.window_nbytes + end.window_nbytes - before)
             head.used = end.used
         return head
 
-    def _attach_segment(
+    def segment(
         self, tree: ModelTree, parent: Node, m: int, key: bytes, prep: planning.Prepared
     ) -> bool:
+        """Hang `key`'s tokens past `m` (an edge under `parent`, which ends at `m`) holding
+        the prepared segment, as a cached sequence; False when there is no room."""
         if m * TOKEN == len(key):  # already on a stored path; only recency changes
             if parent.terminal and parent.depth == m:
-                self._touch(parent, tree)
+                self._ledger.touch(parent, tree)
             return True
         seg = prep.segment
         if m > prep.start:  # another insert stored part of it meanwhile
             seg = layers.cut_segment(seg, m - prep.start)
-        need = self.measure(seg)
+        need = self._measure(seg)
         extends = parent.terminal  # the stored sequence becomes a prefix of this one
         if extends:
-            self._unmark(tree, parent)
-        if not self._make_room(need, 0 if extends else 1):
+            self._ledger.unmark(tree, parent)
+        if not self._budget.make_room(need, 0 if extends else 1):
             if extends:
-                self._mark(tree, parent)
+                self._ledger.mark(tree, parent)
             return False
         child = add_child(parent, key[m * TOKEN :])
         tree.version += 1
         child.segment, child.segment_nbytes = seg, need
-        self._add_bytes(tree, need)
-        self._mark(tree, child)
+        self._ledger.add_bytes(tree, need)
+        self._ledger.mark(tree, child)
         return True
 
-    def _attach_checkpointed(
+    def checkpointed(
         self, tree: ModelTree, parent: Node, m: int, key: bytes, prep: planning.Prepared
     ) -> bool:
-        """As `_attach_segment`; the new end holds the checkpoint (an end already on the
+        """As `segment`; the new end holds the checkpoint (an end already on the
         tree gets it, if it has none), and window KV the path lacks is filled in."""
         n = len(key) // TOKEN
         ends_here = m == n
@@ -95,38 +105,38 @@ class Attaching:
             seg = prep.segment
             if m > prep.start:  # another insert stored part of it meanwhile
                 seg = layers.cut_segment(seg, m - prep.start)
-            seg_nbytes = self.measure(seg)
+            seg_nbytes = self._measure(seg)
             window, held = self._window_from(prep, m, n)
-            window_nbytes = self.measure(window) if window is not None else 0
+            window_nbytes = self._measure(window) if window is not None else 0
             need += seg_nbytes + window_nbytes
         extends = parent.terminal and not ends_here
         # While room is made, the path keeps the window KV the new end resumes from and what
         # is filled (pinned); the sequence this extends is still one (pinned, it is not
         # evicted), its checkpoint not one that goes first, and kept if the insert is refused.
         kept = [node for node in path if node.depth > n - tree.layout.span]
-        self._pin(kept)
+        self._ledger.pin(kept)
         try:
-            room = self._make_room(need, 0 if extends or ends_here else 1)
+            room = self._budget.make_room(need, 0 if extends or ends_here else 1)
         finally:
-            self._unpin(tree, kept)
+            self._ledger.unpin(tree, kept)
         if not room:
             return False
-        now = self._tick()
+        now = self._ledger.tick()
         for node, longer, longer_held, nb in fills:
-            self._add_bytes(tree, nb - node.window_nbytes)
+            self._ledger.add_bytes(tree, nb - node.window_nbytes)
             node.window, node.window_held, node.window_nbytes = longer, longer_held, nb
             node.used = now
         if ends_here:
             if put_checkpoint:
                 parent.checkpoint = prep.checkpoint
                 parent.checkpoint_nbytes = prep.checkpoint_nbytes
-                self._add_bytes(tree, prep.checkpoint_nbytes)
+                self._ledger.add_bytes(tree, prep.checkpoint_nbytes)
             parent.used = now
             if parent.terminal:
-                self._touch(parent, tree)
+                self._ledger.touch(parent, tree)
             return True
         if extends:
-            self._unmark(tree, parent)
+            self._ledger.unmark(tree, parent)
         child = add_child(parent, key[m * TOKEN :])
         tree.version += 1
         child.segment, child.segment_nbytes = seg, seg_nbytes
@@ -134,8 +144,8 @@ class Attaching:
         if prep.checkpoint is not None:
             child.checkpoint, child.checkpoint_nbytes = prep.checkpoint, prep.checkpoint_nbytes
         child.used = now
-        self._add_bytes(tree, seg_nbytes + window_nbytes + child.checkpoint_nbytes)
-        self._mark(tree, child)
+        self._ledger.add_bytes(tree, seg_nbytes + window_nbytes + child.checkpoint_nbytes)
+        self._ledger.mark(tree, child)
         return True
 
     def _window_from(self, prep: planning.Prepared, m: int, n: int) -> tuple[Any, int]:
@@ -161,26 +171,28 @@ class Attaching:
             window = layers.cut_segment(
                 prep.window, first - prep.window_from, node.depth - prep.window_from
             )
-            out.append((node, window, node.depth - first, self.measure(window)))
+            out.append((node, window, node.depth - first, self._measure(window)))
         return out
 
-    def _attach_snapshot(
+    def snapshot(
         self, tree: ModelTree, parent: Node, m: int, key: bytes, prep: planning.Prepared
     ) -> bool:
+        """Store the prepared snapshot at the end of `key` (on `parent` when it ends there),
+        replacing one stored there; False when there is no room."""
         ends_here = m * TOKEN == len(key)
         replaces = ends_here and parent.terminal
         old = parent.entry_nbytes if replaces else 0
-        if not self._make_room(max(0, prep.entry_nbytes - old), 0 if replaces else 1):
+        if not self._budget.make_room(max(0, prep.entry_nbytes - old), 0 if replaces else 1):
             return False
         node = parent if ends_here else add_child(parent, key[m * TOKEN :])
         tree.version += 1
         node.entry, node.entry_nbytes = prep.entry, prep.entry_nbytes
         node.entry_trimmable = prep.entry_trimmable
-        self._add_bytes(tree, prep.entry_nbytes - old)
+        self._ledger.add_bytes(tree, prep.entry_nbytes - old)
         if replaces:
-            self._touch(node, tree)
+            self._ledger.touch(node, tree)
         else:
-            self._mark(tree, node)
+            self._ledger.mark(tree, node)
         return True
 
 

@@ -1,77 +1,71 @@
 """Keeping the cache within its limits: which sequence goes, when the end of one is cut
 instead, and when a hybrid model's window KV or checkpoint goes first.
 
-`Budget` is a part of `PromptCache` (its methods run under the cache's lock, on its
-trees, LRU order and byte count).
+Invariants: after `make_room` returns True, the cache holds at most `max_sequences`
+sequences and `max_bytes` bytes with the room asked for added; nothing pinned is
+removed; a cut end leaves the sequence's place in the LRU order as it was.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from . import checkpoints, layers
+from .eviction import LRUOrder
+from .ledger import Ledger
 from .radix import TOKEN, Node, detach, iter_nodes
 from .tree import ModelTree
-
-if TYPE_CHECKING:
-    from collections.abc import Callable, Hashable
-    from typing import Any
-
-    from .eviction import LRUOrder
 
 SHORTEN_COPY = 4  # most bytes copied per byte freed when cutting a sequence's end
 NO_LIMIT = 1 << 62
 
 
 class Budget:
-    disk: Any
-    max_sequences: int
-    max_bytes: int
-    measure: Callable[[Any], int]
-    _lock: Any
-    _trees: dict[Any, ModelTree]
-    _lru: LRUOrder[Node, ModelTree]
-    _nbytes: int
-    _shorten_copy: int
+    """A `PromptCache`'s limits and what it evicts to keep them.
 
-    def clear(self, model: Hashable | None = None) -> None:
-        """Drop every cached sequence of `model` (of all models when None), on disk too.
+    Given the cache's trees (where a hybrid model's window KV and checkpoints are looked
+    for), its LRU order (which sequence goes first), its ledger (the byte count, and what
+    removing a sequence takes) and its `measure` (of what is kept of a cut segment). Every
+    method expects the cache's lock held.
+    """
 
-        State a running fetch is using is dropped when that fetch ends.
-        """
-        if self.disk is not None:
-            self.disk.clear(model)
-        with self._lock:
-            for key in [model] if model is not None else list(self._trees):
-                tree = self._trees.get(key)
-                if tree is None:
-                    continue
-                for node in [n for n in iter_nodes(tree.root) if n.terminal]:
-                    self._drop(tree, node)
-                if not tree.root.children:
-                    del self._trees[key]
+    def __init__(
+        self,
+        max_sequences: int,
+        max_bytes: int,
+        trees: dict[Hashable, ModelTree],
+        lru: LRUOrder[Node, ModelTree],
+        ledger: Ledger,
+        measure: Callable[[Any], int],
+    ) -> None:
+        self.max_sequences = max_sequences
+        self.max_bytes = max_bytes
+        self.shorten_copy = SHORTEN_COPY
+        self._trees = trees
+        self._lru = lru
+        self._ledger = ledger
+        self._measure = measure
 
-    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> int:
-        """Evict LRU sequences until at most `n_sequences` and `n_bytes` remain."""
-        seqs = NO_LIMIT if n_sequences is None else max(0, n_sequences)
-        nb = NO_LIMIT if n_bytes is None else max(0, n_bytes)
+    def trim(self, n_sequences: int, n_bytes: int) -> int:
+        """Evict LRU sequences until at most `n_sequences` and `n_bytes` remain; how many
+        were evicted (or cut at their end)."""
         evicted = 0
-        with self._lock:
-            while len(self._lru) > seqs or self._nbytes > nb:
-                excess = 0 if len(self._lru) > seqs else self._nbytes - nb
-                if not self._evict_one(excess):
-                    break
-                evicted += 1
+        while len(self._lru) > n_sequences or self._ledger.nbytes > n_bytes:
+            excess = 0 if len(self._lru) > n_sequences else self._ledger.nbytes - n_bytes
+            if not self._evict_one(excess):
+                break
+            evicted += 1
         return evicted
 
-    def _make_room(self, need_bytes: int, need_sequences: int) -> bool:
+    def make_room(self, need_bytes: int, need_sequences: int) -> bool:
         """Evict until both limits hold with `need_*` more; False (having evicted) if they
         cannot. When only bytes are short, what was used least recently goes first: the LRU
         sequence, or a hybrid model's window KV or checkpoint that no sequence's end needs."""
         if need_bytes > self.max_bytes or need_sequences > self.max_sequences:
             return False
         while True:
-            excess = self._nbytes + need_bytes - self.max_bytes
+            excess = self._ledger.nbytes + need_bytes - self.max_bytes
             if len(self._lru) + need_sequences > self.max_sequences:
                 if not self._evict_one(0):  # a whole sequence has to go
                     return False
@@ -95,7 +89,7 @@ class Budget:
         if excess > 0 and self._shorten(tree, node, excess):
             tree.stats.shortened += 1
             return True
-        self._drop(tree, node)
+        self._ledger.drop(tree, node)
         tree.stats.evictions += 1
         return True
 
@@ -105,7 +99,7 @@ class Budget:
         Only what no other sequence and no running operation uses is cut: the
         chain of single-child nodes above the leaf. Whole nodes go without a
         copy; cutting into one copies what it keeps, and when that copy would
-        exceed `SHORTEN_COPY` times the bytes freed, the whole node goes instead.
+        exceed `shorten_copy` (`SHORTEN_COPY`) times the bytes freed, the whole node goes instead.
         False, with nothing changed, when the sequence has to go whole.
         """
         if not tree.layout.sliceable or node.children:
@@ -127,26 +121,24 @@ class Budget:
             part -= owned[gone].size
             gone += 1
         end = owned[gone]
-        if part and (end.size - part) > self._shorten_copy * cut:
+        if part and (end.size - part) > self.shorten_copy * cut:
             if gone + 1 == len(owned):
                 return False
             gone, part = gone + 1, 0
             end = owned[gone]
         for dropped in owned[:gone]:
             detach(dropped)
-            self._add_bytes(tree, -dropped.segment_nbytes)
+            self._ledger.add_bytes(tree, -dropped.segment_nbytes)
         if part:
             keep = end.size - part
             end.segment = layers.cut_segment(end.segment, 0, keep)
-            kept = self.measure(end.segment)
-            self._add_bytes(tree, kept - end.segment_nbytes)
+            kept = self._measure(end.segment)
+            self._ledger.add_bytes(tree, kept - end.segment_nbytes)
             end.segment_nbytes = kept
             end.edge = end.edge[: keep * TOKEN]
             end.depth -= part
         if end is not node:
-            node.terminal, end.terminal = False, True
-            end.used = node.used
-            self._lru.replace(node, end)
+            self._ledger.move_end(node, end)
         tree.version += 1
         return True
 
@@ -164,13 +156,13 @@ class Budget:
         """Free a checkpoint, or the oldest `k` tokens of a node's window KV."""
         node, what, k = pick
         if what == "checkpoint":
-            self._add_bytes(tree, -node.checkpoint_nbytes)
+            self._ledger.add_bytes(tree, -node.checkpoint_nbytes)
             node.checkpoint, node.checkpoint_nbytes = None, 0
         else:
             node.window_held -= k
             node.window = layers.cut_segment(node.window, k) if node.window_held else None
-            nbytes = self.measure(node.window) if node.window is not None else 0
-            self._add_bytes(tree, nbytes - node.window_nbytes)
+            nbytes = self._measure(node.window) if node.window is not None else 0
+            self._ledger.add_bytes(tree, nbytes - node.window_nbytes)
             node.window_nbytes = nbytes
         tree.version += 1
 

@@ -19,7 +19,7 @@ Invariants:
 Policy, apart from the mechanism: window KV and checkpoints are bytes like any
 other, in the same budget. What no sequence's end needs (where a system prompt
 ended, a token before a prompt's end, old window KV inside a conversation) can
-go when room is short; `Budget._make_room` weighs the least recently used of it
+go when room is short; `Budget.make_room` weighs the least recently used of it
 against the least recently used sequence, on one clock (stored, or resumed from).
 With recurrent layers an insert keeps only the window KV before its own end:
 such a model resumes nowhere else.

@@ -41,24 +41,23 @@ import contextlib
 import fcntl
 import logging
 import os
-import queue
 import sqlite3
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Hashable
 from pathlib import Path
 
 import mlx.core as mx
 
 from .disk_files import BadFile, Segment, binding, join, read_segment
-from .disk_index import SUFFIX, forget, open_index, read_rows
+from .disk_index import SUFFIX, Index
 from .disk_index import remove_stale as remove_stale
 from .disk_space import DiskFile, DiskSpace, DiskStats, namespace_of
 from .disk_tree import attach, held
 from .disk_writing import FORMAT as FORMAT
 from .disk_writing import HEADER_SLACK as HEADER_SLACK
-from .disk_writing import DiskWriting
+from .disk_writing import DiskWriter, Runs
 from .radix import TOKEN, Node, walk
 
 log = logging.getLogger(__name__)
@@ -72,13 +71,19 @@ class DiskTierUnavailable(RuntimeError):
     """The cache folder cannot be written: read-only, full, not a folder, no permission."""
 
 
-class DiskTier(DiskSpace, DiskWriting):
-    """Segments of cached paths on disk, under a byte budget, surviving restarts."""
+class DiskTier:
+    """Segments of cached paths on disk, under a byte budget, surviving restarts.
+
+    It owns the folder and its lock file, the lock, the trees (`_roots`, one per
+    namespace) and the counters, and hands them to its parts: the index (the SQLite
+    rows), the space (the files held, under the budget) and the writer (the queue and
+    its thread). Public methods take the lock themselves; the parts' methods expect it
+    held, but the writer's `put`, `flush` and `stop`, which take it (or need none).
+    """
 
     def __init__(self, root: str | Path, fingerprint: str, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError("the disk budget must be >= 0")
-        self.max_bytes = max_bytes
         self.folder = Path(root) / fingerprint
         try:
             self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -94,39 +99,37 @@ class DiskTier(DiskSpace, DiskWriting):
         self.removed_stale = remove_stale(Path(root), keep=self.folder)
         self._lock = threading.Lock()
         self._roots: dict[str, Node] = {}
-        self._lru: OrderedDict[DiskFile, None] = OrderedDict()
-        self._touched: dict[str, float] = {}  # recency not yet in the index
-        self._epochs: dict[str, int] = {}  # per namespace, bumped by clear(model)
-        self._cleared = 0  # bumped by clear()
-        self._nbytes = 0  # files' sizes plus the reservation of the write under way
-        self._layout: str | None = None  # the cache layout all files share, as JSON
         self.stats = DiskStats()
+        index = None
         try:
-            self._db = open_index(self.folder)
-            self._db_open = True
-            self._restore()
+            index = Index(self.folder)
+            space = DiskSpace(max_bytes, index, self.stats)
+            layout = self._restore(index, space)
         except (OSError, sqlite3.Error) as e:
-            if getattr(self, "_db", None) is not None:
-                self._db.close()
+            if index is not None:
+                index.close()
             self._lockfile.close()
             raise DiskTierUnavailable(f"cannot use {self.folder}: {e}") from e
-        self._jobs: queue.Queue[tuple | None] = queue.Queue()
-        self._closed = self._abandon = False
-        self._writer = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
-        self._writer.start()
+        self._index, self._space = index, space
+        self._writer = DiskWriter(self._lock, self.folder, self._roots, space, index, self.stats,
+                                  layout)  # fmt: skip
 
     # ------------------------------------------------------------- restore
 
-    def _restore(self) -> None:
-        rows, bad = read_rows(self._db, self.folder)
+    def _restore(self, index: Index, space: DiskSpace) -> str | None:
+        """Hang the files the index holds in the trees and count them into `space`, in
+        their recency order, dropping what is bad; the layout they share. Runs before any
+        other thread can see the tier, so without the lock."""
+        rows, bad = index.rows()
         recency = {row.name: i for i, row in enumerate(rows)}
         known = set()
         orphans = 0
+        layout = None
         # Parents before children: a file's run starts where its parent's path ends.
         for row in sorted(rows, key=lambda r: (r.start, r.end)):
             seed = binding(row.name, row.namespace, row.start, row.end, row.layout, row.tokens)
             f = DiskFile(row.name, row.namespace, row.start, row.end, row.nbytes, row.digest, seed)
-            if self._layout not in (None, row.layout):
+            if layout not in (None, row.layout):
                 bad.append((row.name, "it was written for another cache layout"))
                 continue
             root = self._roots.setdefault(f.namespace, Node(edge=b""))
@@ -135,21 +138,20 @@ class DiskTier(DiskSpace, DiskWriting):
                 bad.append((row.name, "it overlaps another file"))
                 continue
             orphans += held(walk(root, row.tokens)) < f.start
-            self._layout = row.layout
+            layout = row.layout
             known.add(row.name)
-            self._lru[f] = None
-            self._nbytes += f.nbytes
+            space.hold(f)
         for name, why in bad:
-            forget(self._db, self.folder, name)
+            index.forget(name)
             log.debug("dropping cache file %s: %s", name, why)
         self.stats.dropped += len(bad)
-        self._lru = OrderedDict((f, None) for f in sorted(self._lru, key=lambda f: recency[f.name]))
+        space.order_by(recency)
         for path in self.folder.iterdir():  # temporary files, files of rows gone
             if path.name.endswith(SUFFIX) and path.name.removesuffix(SUFFIX) not in known:
                 path.unlink(missing_ok=True)
-        self._make_room(0, set())  # a smaller budget than the last process had
-        self._db.commit()
-        self._count()
+        space.make_room(0, set())  # a smaller budget than the last process had
+        index.commit()
+        space.count()
         if bad or orphans:
             reasons = Counter(why.split(" (")[0] for _, why in bad)
             log.warning(
@@ -158,16 +160,27 @@ class DiskTier(DiskSpace, DiskWriting):
                 f"; {orphans} kept behind a lost file, usable again once a request through it "
                 "is stored" if orphans else "",
             )  # fmt: skip
+        return layout
 
     # --------------------------------------------------------------- reads
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return self._space.nbytes
+
+    @property
+    def max_bytes(self) -> int:
+        """The byte budget; a new one holds from the next write on."""
+        return self._space.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self._space.max_bytes = value
 
     @property
     def layout(self) -> str | None:
-        return self._layout
+        """The cache layout every file shares, as JSON; None before the first."""
+        return self._writer.layout
 
     def match(self, model: Hashable, key: bytes) -> int:
         """How many tokens of `key` (packed) the disk holds the KV of."""
@@ -207,7 +220,7 @@ class DiskTier(DiskSpace, DiskWriting):
                     files[-1][2] = hi
                 else:
                     files.append([f, lo, hi])
-            self._used([node.segment for node in w.nodes])
+            self._space.used([node.segment for node in w.nodes])
         pieces = []
         for f, lo, hi in files:
             arrays = self._read(f)
@@ -231,7 +244,7 @@ class DiskTier(DiskSpace, DiskWriting):
     def _read(self, f: DiskFile) -> list[list[mx.array]] | None:
         try:
             path = self.folder / (f.name + SUFFIX)
-            return read_segment(path, f.nbytes, f.digest, f.seed, self._layout or "[]",
+            return read_segment(path, f.nbytes, f.digest, f.seed, self._writer.layout or "[]",
                                 f.end - f.start)  # fmt: skip
         except BadFile as e:
             return self._bad(f, str(e))
@@ -239,11 +252,24 @@ class DiskTier(DiskSpace, DiskWriting):
     def _bad(self, f: DiskFile, why: str) -> None:
         log.warning("dropping cache file %s: it %s", f.name, why)
         with self._lock:
-            if f in self._lru and self._db_open:
-                self._lose(f)
+            if f in self._space.lru and self._index.open:
+                self._space.lose(f)
                 self.stats.dropped += 1
-                self._db.commit()
+                self._index.commit()
         return None
+
+    # -------------------------------------------------------------- writes
+
+    def put(self, model: Hashable, key: bytes, path: Runs, layout: str) -> None:
+        """Queue the KV of `key`'s path (its segments, in order) for writing.
+
+        Written behind, and only what the disk lacks of the path by then.
+        """
+        self._writer.put(model, key, path, layout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the writes queued so far are done; False if `timeout` passed first."""
+        return self._writer.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Finish the queued writes within `timeout`, drop the rest, and release the folder.
@@ -251,39 +277,28 @@ class DiskTier(DiskSpace, DiskWriting):
         The write under way when time is up is waited for: stopping a thread inside MLX
         at exit aborts the process.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._jobs.put(None)
-        self._writer.join(timeout)
-        if self._writer.is_alive():
-            self._abandon = True
-            self._writer.join()
+        if not self._writer.stop(timeout):
+            return
         with self._lock:
             with contextlib.suppress(sqlite3.Error):
-                self._commit_recency()
-            self._db.close()
-            self._db_open = False
+                self._space.commit_recency()
+            self._index.close()
         self._lockfile.close()
 
     def clear(self, model: Hashable | None = None) -> None:
         """Remove the files of `model` (of every model when None), and drop the writes
         queued or under way for it."""
         with self._lock:
-            if not self._db_open:
+            if not self._index.open:
                 return
             ns = None if model is None else namespace_of(model)
-            if ns is None:
-                self._cleared += 1
-            else:
-                self._epochs[ns] = self._epochs.get(ns, 0) + 1
-            for f in [f for f in self._lru if ns is None or f.namespace == ns]:
-                if f in self._lru:
-                    self._drop(f)
+            self._writer.cancel(ns)
+            for f in [f for f in self._space.lru if ns is None or f.namespace == ns]:
+                if f in self._space.lru:
+                    self._space.drop(f)
             for name in [ns] if ns is not None else list(self._roots):
                 root = self._roots.get(name)
                 if root is not None and not root.children:
                     del self._roots[name]
             with contextlib.suppress(sqlite3.Error):
-                self._db.commit()
+                self._index.commit()

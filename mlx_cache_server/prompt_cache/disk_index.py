@@ -120,6 +120,38 @@ def commit_recency(db: sqlite3.Connection, touched: dict[str, float]) -> None:
     db.commit()
 
 
+class Index:
+    """A tier folder's open index: its rows, and the files they name.
+
+    Nothing here locks: the tier's lock guards every call (`DiskTier`). `open` is True
+    until `close`; after it nothing may be written.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._db = open_index(folder)
+        self.open = True
+
+    def rows(self) -> tuple[list[Row], list[tuple[str, str]]]:
+        return read_rows(self._db, self.folder)
+
+    def insert(self, row: Row) -> None:
+        insert(self._db, row)
+
+    def forget(self, name: str) -> None:
+        forget(self._db, self.folder, name)
+
+    def commit_recency(self, touched: dict[str, float]) -> None:
+        commit_recency(self._db, touched)
+
+    def commit(self) -> None:
+        self._db.commit()
+
+    def close(self) -> None:
+        self._db.close()
+        self.open = False
+
+
 def remove_stale(root: Path, keep: Path, now: float | None = None) -> list[Path]:
     """Remove other fingerprints' folders under `root` (another model, an older version of
     this one) that no process holds and that were not written for `STALE_AFTER` seconds;

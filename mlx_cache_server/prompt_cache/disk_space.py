@@ -1,21 +1,23 @@
 """The disk tier's files as a tree and under its budget: what a file is, which goes
 first when room is short, and removing one (for room, or found bad).
 
-`DiskSpace` is a part of `DiskTier` (its methods run under the tier's lock); the
-invariants are the tier's (`mlx_cache_server.prompt_cache.disk`).
+Invariants (the tier's, `mlx_cache_server.prompt_cache.disk`, as far as they are kept
+here): `nbytes` is the size of the files held plus the reservation of the write under
+way; `make_room` and `reserve` return True only with it, and what they were asked for,
+within `max_bytes`; the files are in `lru` least recently used first, a path's
+beginning never older than its end; a file removed leaves the index, the folder and
+the tree together.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .disk_index import commit_recency, forget
+from .disk_index import Index
 from .disk_tree import prune
 from .radix import Node, detach, iter_nodes
 
@@ -53,37 +55,66 @@ def namespace_of(model: Hashable) -> str:
 
 
 class DiskSpace:
-    max_bytes: int
-    folder: Path
-    stats: DiskStats
-    _lru: OrderedDict[DiskFile, None]
-    _touched: dict[str, float]
-    _nbytes: int
-    _db: sqlite3.Connection
+    """The files a `DiskTier` holds, in least recently used order, under its byte budget.
 
-    def _used(self, files: list[DiskFile]) -> None:
+    Given the tier's index (a file removed loses its row and its file) and its counters
+    (`files`, `bytes` and `evicted` are kept here). Every method expects the tier's lock
+    held; `lru` and `nbytes` are read by the tier and changed only here.
+    """
+
+    def __init__(self, max_bytes: int, index: Index, stats: DiskStats) -> None:
+        self.max_bytes = max_bytes
+        self.lru: OrderedDict[DiskFile, None] = OrderedDict()
+        self.nbytes = 0  # files' sizes plus the reservation of the write under way
+        self._touched: dict[str, float] = {}  # recency not yet in the index
+        self._index = index
+        self._stats = stats
+
+    def hold(self, f: DiskFile) -> None:
+        """Count `f` in, as the most recently used file (its nodes are hung already)."""
+        self.lru[f] = None
+        self.nbytes += f.nbytes
+
+    def order_by(self, recency: dict[str, int]) -> None:
+        """Put the files in the order of their names' `recency`, least recent first."""
+        self.lru = OrderedDict((f, None) for f in sorted(self.lru, key=lambda f: recency[f.name]))
+
+    def used(self, files: list[DiskFile]) -> None:
         """Files of a path just used: the path's beginning ends up the most recent, so
         eviction takes paths from their end, never their shared beginning first."""
         now = time.time()
         for f in reversed(dict.fromkeys(files)):
-            if f in self._lru:
-                self._lru.move_to_end(f)
+            if f in self.lru:
+                self.lru.move_to_end(f)
                 self._touched[f.name] = now
 
-    def _commit_recency(self) -> None:
-        commit_recency(self._db, self._touched)
+    def commit_recency(self) -> None:
+        """Write the recency gathered since the last commit to the index."""
+        self._index.commit_recency(self._touched)
 
-    def _make_room(self, need: int, keep: set[DiskFile]) -> bool:
+    def make_room(self, need: int, keep: set[DiskFile]) -> bool:
+        """Remove least recently used files, none of `keep`, until `need` more bytes fit;
+        False (having removed some) when they cannot."""
         if need > self.max_bytes:
             return False
-        while self._nbytes + need > self.max_bytes:
-            victim = next((f for f in self._lru if f not in keep), None)
+        while self.nbytes + need > self.max_bytes:
+            victim = next((f for f in self.lru if f not in keep), None)
             if victim is None:
                 return False
-            self.stats.evicted += self._drop(victim)
+            self._stats.evicted += self.drop(victim)
         return True
 
-    def _drop(self, f: DiskFile) -> int:
+    def reserve(self, need: int, keep: set[DiskFile]) -> bool:
+        """Make room for a write of `need` bytes and count them until `release`."""
+        if not self.make_room(need, keep):
+            return False
+        self.nbytes += need
+        return True
+
+    def release(self, reserved: int) -> None:
+        self.nbytes -= reserved
+
+    def drop(self, f: DiskFile) -> int:
         """Remove `f`, the nodes in it and everything below them; the files removed."""
         # Every file below one of f's nodes continues a path through f's tokens.
         gone = {f: None}
@@ -97,29 +128,30 @@ class DiskSpace:
                 gone[below.segment] = None
         removed = 0
         for g in gone:
-            if g in self._lru:
-                del self._lru[g]
-                self._nbytes -= g.nbytes
+            if g in self.lru:
+                del self.lru[g]
+                self.nbytes -= g.nbytes
                 self._forget(g.name)
                 removed += 1
-        self._count()
+        self.count()
         return removed
 
-    def _lose(self, f: DiskFile) -> None:
+    def lose(self, f: DiskFile) -> None:
         """Remove a file found bad, leaving its tokens as gaps over the files below it:
         their KV is still right, and is served again once a write fills the gaps."""
-        del self._lru[f]
-        self._nbytes -= f.nbytes
+        del self.lru[f]
+        self.nbytes -= f.nbytes
         self._forget(f.name)
         for node in f.nodes:
             node.segment = None
         for node in f.nodes:
             prune(node)
-        self._count()
+        self.count()
 
     def _forget(self, name: str) -> None:
         self._touched.pop(name, None)
-        forget(self._db, self.folder, name)
+        self._index.forget(name)
 
-    def _count(self) -> None:
-        self.stats.files, self.stats.bytes = len(self._lru), self._nbytes
+    def count(self) -> None:
+        """Bring the counters' `files` and `bytes` up to date."""
+        self._stats.files, self._stats.bytes = len(self.lru), self.nbytes

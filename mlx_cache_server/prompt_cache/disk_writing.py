@@ -1,8 +1,9 @@
 """The disk tier's writes: queued behind the RAM tier, made by one writer thread.
 
-`DiskWriting` is a part of `DiskTier`: the writer thread runs `_write_loop`, and
-what it indexes it indexes under the tier's lock; the invariants are the tier's
-(`mlx_cache_server.prompt_cache.disk`).
+Invariants (the tier's, `mlx_cache_server.prompt_cache.disk`, as far as they are kept
+here): a file is written outside the lock under a temporary name with its bytes
+reserved first, and indexed under the lock only if no clear came since its write was
+queued (`cancel`) and its path's beginning is still held; every file shares `layout`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from pathlib import Path
 
 from .disk_files import Segment, binding, join, write_segment
-from .disk_index import SUFFIX, Row, insert
-from .disk_space import DiskFile, DiskStats, namespace_of
+from .disk_index import SUFFIX, Index, Row
+from .disk_space import DiskFile, DiskSpace, DiskStats, namespace_of
 from .disk_tree import attach, first_gap, held
 from .radix import TOKEN, Node, walk
 
@@ -35,26 +35,40 @@ MAX_PENDING = 256  # writes queued at most; more are skipped (the RAM tier still
 Runs = list[tuple[int, int, Segment]]  # (start, end, KV of [start, end)) along a path
 
 
-class DiskWriting:
-    folder: Path
-    stats: DiskStats
-    _lock: threading.Lock
-    _closed: bool
-    _abandon: bool
-    _jobs: queue.Queue[tuple | None]
-    _roots: dict[str, Node]
-    _lru: OrderedDict[DiskFile, None]
-    _epochs: dict[str, int]
-    _cleared: int
-    _nbytes: int
-    _layout: str | None
-    _db_open: bool
-    _db: sqlite3.Connection
-    _used: Callable[[list[DiskFile]], None]
-    _make_room: Callable[[int, set[DiskFile]], bool]
-    _drop: Callable[[DiskFile], int]
-    _count: Callable[[], None]
-    _commit_recency: Callable[[], None]
+class DiskWriter:
+    """A `DiskTier`'s writes: the queue, the one thread that drains it, and what says a
+    queued write was cleared.
+
+    Given the tier's lock (taken here to index; never held across a file's write), its
+    folder, its trees (`roots`, one per namespace: a written file is hung there), its
+    space (room, and the files held), its index and its counters. `layout` is the cache
+    layout every file shares, as JSON: the tier's restored one, else the first written;
+    read by the tier, set only here.
+    """
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        folder: Path,
+        roots: dict[str, Node],
+        space: DiskSpace,
+        index: Index,
+        stats: DiskStats,
+        layout: str | None,
+    ) -> None:
+        self.layout = layout
+        self._lock = lock
+        self._folder = folder
+        self._roots = roots
+        self._space = space
+        self._index = index
+        self._stats = stats
+        self._epochs: dict[str, int] = {}  # per namespace, bumped by cancel(namespace)
+        self._cleared = 0  # bumped by cancel(None)
+        self._jobs: queue.Queue[tuple | None] = queue.Queue()
+        self._closed = self._abandon = False
+        self._thread = threading.Thread(target=self._write_loop, name="disk-writer", daemon=True)
+        self._thread.start()
 
     def put(self, model: Hashable, key: bytes, path: Runs, layout: str) -> None:
         """Queue the KV of `key`'s path (its segments, in order) for writing.
@@ -63,14 +77,22 @@ class DiskWriting:
         """
         ns = namespace_of(model)
         with self._lock:
-            if self._closed or self.max_bytes == 0:
+            if self._closed or self._space.max_bytes == 0:
                 return
-            if self.stats.pending >= MAX_PENDING:
-                self.stats.skipped += 1
+            if self._stats.pending >= MAX_PENDING:
+                self._stats.skipped += 1
                 return
-            self.stats.pending += 1
+            self._stats.pending += 1
             epoch = self._epoch(ns)
         self._jobs.put((ns, epoch, bytes(key), path, layout))
+
+    def cancel(self, ns: str | None) -> None:
+        """Drop the writes queued or under way for namespace `ns` (for all when None): a
+        clear wins over them. Expects the tier's lock held."""
+        if ns is None:
+            self._cleared += 1
+        else:
+            self._epochs[ns] = self._epochs.get(ns, 0) + 1
 
     def _epoch(self, ns: str) -> tuple[int, int]:
         return self._cleared, self._epochs.get(ns, 0)
@@ -82,6 +104,24 @@ class DiskWriting:
         done = threading.Event()
         self._jobs.put(("flush", done))
         return done.wait(timeout)
+
+    def stop(self, timeout: float | None) -> bool:
+        """Finish the queued writes within `timeout` and drop the rest; False when it was
+        stopped already. Expects the tier's lock free.
+
+        The write under way when time is up is waited for: stopping a thread inside MLX
+        at exit aborts the process.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._abandon = True
+            self._thread.join()
+        return True
 
     def _write_loop(self) -> None:
         while True:
@@ -97,10 +137,10 @@ class DiskWriting:
             except Exception:  # never fatal: the RAM tier still holds it
                 log.exception("writing a cache segment to disk failed")
                 with self._lock:
-                    self.stats.skipped += 1
+                    self._stats.skipped += 1
             finally:
                 with self._lock:
-                    self.stats.pending -= 1
+                    self._stats.pending -= 1
 
     def _write(self, ns: str, epoch: tuple[int, int], key: bytes, path: Runs, layout: str) -> bool:
         """Write what the disk lacks of `key`'s path, up to its first gap; whether more
@@ -113,10 +153,10 @@ class DiskWriting:
             w = walk(root, key) if root is not None else None
             have = held(w) if w is not None else 0
             if have >= n:  # already on disk: only recency changes
-                self._used([node.segment for node in w.nodes])
+                self._space.used([node.segment for node in w.nodes])
                 return False
-            if self._layout is not None and layout != self._layout:
-                self.stats.skipped += 1
+            if self.layout is not None and layout != self.layout:
+                self._stats.skipped += 1
                 return False
             # A gap the path runs through is filled first, then what lies past the files
             # kept beyond it.
@@ -129,10 +169,9 @@ class DiskWriting:
             count = sum(len(layer) for layer in path[0][2]) if path else 0
             reserve = arrays_nbytes + HEADER_SLACK + ENTRY_SLACK * count
             keep = {node.segment for node in w.nodes} if w is not None else set()
-            if not self._make_room(reserve, keep):
-                self.stats.skipped += 1
+            if not self._space.reserve(reserve, keep):
+                self._stats.skipped += 1
                 return False
-            self._nbytes += reserve
         name = uuid.uuid4().hex
         t0 = time.perf_counter()
         f, kept = None, False
@@ -141,45 +180,44 @@ class DiskWriting:
                                   for layer in seg) for lo, hi, seg, s, _ in pieces])  # fmt: skip
             meta = {"format": str(FORMAT), "start": str(have), "end": str(stop)}
             seed = binding(name, ns, have, stop, layout, key[: stop * TOKEN])
-            size, digest = write_segment(self.folder, name, segment, meta, reserve, seed)
+            size, digest = write_segment(self._folder, name, segment, meta, reserve, seed)
             f = DiskFile(name, ns, have, stop, size, digest, seed)
         except Exception as e:  # a full disk, a folder gone: the RAM tier still has it
             log.warning("cannot write a cache segment to disk: %s", e)
         finally:
-            final = self.folder / (name + SUFFIX)
+            final = self._folder / (name + SUFFIX)
             with self._lock:
-                self._nbytes -= reserve
+                self._space.release(reserve)
                 if f is None:
-                    self.stats.skipped += 1
+                    self._stats.skipped += 1
                 elif not self._keep(f, key, epoch, layout):
                     final.unlink(missing_ok=True)
-                    self.stats.skipped += 1
+                    self._stats.skipped += 1
                 else:
                     kept = True
-                    self.stats.writes += 1
-                    self.stats.bytes_written += f.nbytes
-                    self.stats.write_seconds += time.perf_counter() - t0
-                self._count()
+                    self._stats.writes += 1
+                    self._stats.bytes_written += f.nbytes
+                    self._stats.write_seconds += time.perf_counter() - t0
+                self._space.count()
         return kept and stop < n  # past the gap just filled, files were kept
 
     def _keep(self, f: DiskFile, key: bytes, epoch: tuple[int, int], layout: str) -> bool:
         """Index a written file, under the lock; False if it no longer belongs."""
-        if not self._db_open or self._epoch(f.namespace) != epoch:
+        if not self._index.open or self._epoch(f.namespace) != epoch:
             return False  # cleared meanwhile
         root = self._roots.setdefault(f.namespace, Node(edge=b""))
         if attach(root, f, key) is None:  # its path's beginning was dropped meanwhile
             return False
-        self._lru[f] = None
-        self._nbytes += f.nbytes
+        self._space.hold(f)
         tokens = key[: f.end * TOKEN]
         try:
-            insert(self._db, Row(f.name, f.namespace, f.start, f.end, tokens, f.nbytes,
-                                 f.digest, layout))  # fmt: skip
-            self._layout = layout
-            self._used([node.segment for node in walk(root, tokens).nodes])
-            self._commit_recency()
+            self._index.insert(Row(f.name, f.namespace, f.start, f.end, tokens, f.nbytes,
+                                   f.digest, layout))  # fmt: skip
+            self.layout = layout
+            self._space.used([node.segment for node in walk(root, tokens).nodes])
+            self._space.commit_recency()
         except sqlite3.Error as e:
             log.warning("cannot index a cache segment: %s", e)
-            self._drop(f)
+            self._space.drop(f)
             return False
         return True

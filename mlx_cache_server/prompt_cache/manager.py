@@ -25,7 +25,7 @@ the state of a sequence. Rules:
   insert counts as use), until both `max_sequences` and `max_bytes` hold. A
   sequence goes whole, except when only bytes are short and, in prefix-sharing
   mode, the end of the sequence that no other one shares is enough: then only
-  that many tokens are cut off its end (`_shorten`), and the rest stays for its
+  that many tokens are cut off its end (`Budget`), and the rest stays for its
   next turn, as long as the copy this takes is at most `SHORTEN_COPY` times
   the bytes freed (MLX cannot free part of a buffer, so what is kept of the
   last segment is copied).
@@ -37,7 +37,9 @@ the state of a sequence. Rules:
 - Bytes are the bytes of the arrays held for the tokens stored, not buffer
   capacity: stored KV is cut to its tokens and copied off the caller's buffers.
 - One lock guards the trees, the LRU order and the counters. Copies (joining
-  segments on fetch, cutting the new segment on insert) run outside it.
+  segments on fetch, cutting the new segment on insert) run outside it. The
+  cache's parts (`Ledger`, `Budget`, `Attacher`) run under it, taken by the
+  cache; the disk loader (`DiskLoader`) takes it itself, around the disk's reads.
 - With a disk tier (`mlx_cache_server.prompt_cache.disk`, prefix-sharing mode only), every segment
   an insert attaches is queued for writing behind it, and a fetch first loads
   into the RAM tree what the disk holds of its tokens past the RAM tree's match
@@ -54,21 +56,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import layers, planning
-from .attaching import Attaching
-from .budget import NO_LIMIT, SHORTEN_COPY, Budget
+from .attaching import Attacher
+from .budget import NO_LIMIT, Budget
 from .disk import DiskTier
-from .disk_loading import DiskLoading
+from .disk_loading import DiskLoader
 from .eviction import LRUOrder
-from .outline import Outlining
+from .ledger import Ledger
+from .outline import Outline, mark_on_disk, outline
 from .planning import Kind
-from .radix import (
-    TOKEN,
-    Node,
-    Tokens,
-    detach,
-    packed_key,
-    walk,
-)
+from .radix import TOKEN, Node, Tokens, iter_nodes, packed_key, walk
 from .tree import CacheStats, ModelTree
 
 log = logging.getLogger(__name__)
@@ -83,8 +79,15 @@ class Fetched:
     kind: Kind
 
 
-class PromptCache(DiskLoading, Attaching, Budget, Outlining):
-    """A thread-safe prompt cache shared by all requests, keyed by model and tokens."""
+class PromptCache:
+    """A thread-safe prompt cache shared by all requests, keyed by model and tokens.
+
+    It owns the lock, the trees, the per-model counters and the LRU order, and hands them
+    to its parts: the ledger (byte count, clock, node bookkeeping), the budget (limits,
+    eviction), the attacher (hanging what an insert copied) and, with a disk tier, the
+    disk loader. Methods here take the lock; the parts' methods expect it held, but the
+    loader's, which takes it itself.
+    """
 
     def __init__(
         self,
@@ -99,15 +102,17 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
             raise ValueError("cache limits must be >= 0")
         self.disk = disk
         self.measure = measure
-        self.max_sequences = max_sequences
-        self.max_bytes = NO_LIMIT if max_bytes is None else max_bytes
         self._lock = threading.Lock()
         self._trees: dict[Hashable, ModelTree] = {}
         self._stats: dict[Hashable, CacheStats] = {}
         self._lru: LRUOrder[Node, ModelTree] = LRUOrder()
-        self._nbytes = 0
-        self._shorten_copy = SHORTEN_COPY
-        self._clock = 0  # orders window KV and checkpoints by use
+        self._ledger = Ledger(self._lru)
+        limit = NO_LIMIT if max_bytes is None else max_bytes
+        self._budget = Budget(max_sequences, limit, self._trees, self._lru, self._ledger, measure)
+        self._attacher = Attacher(self._ledger, self._budget, measure)
+        self._loader = None if disk is None else DiskLoader(
+            disk, self._lock, self._trees, self._stats, self._ledger, self._attacher, self._budget
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- reads
 
@@ -116,7 +121,25 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return self._ledger.nbytes
+
+    @property
+    def max_sequences(self) -> int:
+        return self._budget.max_sequences
+
+    @max_sequences.setter
+    def max_sequences(self, value: int) -> None:
+        self._budget.max_sequences = value
+
+    @property
+    def max_bytes(self) -> int:
+        """The byte budget (`NO_LIMIT` when there is none); a new one holds from the next
+        insert on."""
+        return self._budget.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self._budget.max_bytes = value
 
     @property
     def byte_budget(self) -> int | None:
@@ -151,8 +174,8 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
         the RAM tree first.
         """
         key = packed_key(tokens)
-        if self.disk is not None:
-            self._load_guarded(model, key)
+        if self._loader is not None:
+            self._loader.load(model, key)
         with self._lock:
             stats = self._stats.setdefault(model, CacheStats())
             stats.lookups += 1
@@ -164,16 +187,16 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
                 return Fetched(None, 0, "miss")
             setattr(tree.stats, plan.kind, getattr(tree.stats, plan.kind) + 1)
             tree.stats.tokens_reused += plan.n
-            self._pin(plan.pinned)
+            self._ledger.pin(plan.pinned)
             now = time.time()
             for node in plan.pinned:
                 node.hits, node.seen = node.hits + 1, now
             if tree.layout.checkpointed:
-                now = self._tick()  # what it resumes from was used
+                now = self._ledger.tick()  # what it resumes from was used
                 for node in plan.pinned:
                     node.used = now
             if plan.used is not None and plan.used.terminal:
-                self._touch(plan.used, tree)
+                self._ledger.touch(plan.used, tree)
         try:
             if plan.entry is not None:
                 cache = layers.clone(plan.entry)
@@ -187,7 +210,7 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
                 cache = layers.assemble(tree.layout, plan.pieces)
         finally:
             with self._lock:
-                self._unpin(tree, plan.pinned)
+                self._ledger.unpin(tree, plan.pinned)
         return Fetched(cache, plan.n, plan.kind)
 
     def peek(self, model: Hashable, tokens: Tokens) -> tuple[Kind, int]:
@@ -199,6 +222,7 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
         return ("miss", 0) if plan is None else (plan.kind, plan.n)
 
     def _plan(self, tree: ModelTree, key: bytes) -> planning.Plan | None:
+        """How `key` would be served from `tree` now. Expects the lock held."""
         n = len(key) // TOKEN
         if n < 2:
             return None
@@ -210,6 +234,14 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
         return planning.plan_snapshot(w, n)
 
     # ------------------------------------------------------------------ disk
+
+    def load_from_disk(self, model: Hashable, tokens: Tokens) -> int:
+        """Load into the RAM tree what the disk tier holds of `tokens` past the RAM tree's
+        match; the tokens loaded. A server calls it off its engine's thread before the
+        fetch (which then finds them in RAM), so reading a conversation back from disk
+        holds up no running generation. Never raises: the disk tier is only a help.
+        """
+        return self._loader.load(model, packed_key(tokens)) if self._loader is not None else 0
 
     # ---------------------------------------------------------------- insert
 
@@ -240,36 +272,37 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
             tree.stats.inserts += 1
             w = walk(tree.root, key)
             version = tree.version
-            self._pin(w.nodes)
+            self._ledger.pin(w.nodes)
         try:
             prep = planning.prepare_insert(layout, w, n, cache, self.measure)
         except BaseException:
             with self._lock:
-                self._unpin(tree, w.nodes)
+                self._ledger.unpin(tree, w.nodes)
             raise
         with self._lock:
             if self._trees.get(model) is not tree:
                 # A clear dropped the whole tree meanwhile (nothing on the walk was pinned
                 # to keep it): what this insert would attach could never be found again.
-                self._unpin(tree, w.nodes)
+                self._ledger.unpin(tree, w.nodes)
                 tree.stats.rejected += 1
                 return False
             # The pinned path was not removed meanwhile, so it can only have grown.
             w2 = w if tree.version == version else walk(tree.root, key)
-            anchor = self._anchor(tree, w2, n, prep)
+            anchor = self._attacher.anchor(tree, w2, n, prep)
             # Only the anchor needs to stay: evicting what hangs below it may
             # free the rest of the old path.
-            self._pin([anchor])
-            self._unpin(tree, w.nodes)
+            self._ledger.pin([anchor])
+            self._ledger.unpin(tree, w.nodes)
             try:
                 if layout.sliceable:
-                    stored = self._attach_segment(tree, anchor, w2.length, key, prep)
+                    attach = self._attacher.segment
                 elif layout.checkpointed:
-                    stored = self._attach_checkpointed(tree, anchor, w2.length, key, prep)
+                    attach = self._attacher.checkpointed
                 else:
-                    stored = self._attach_snapshot(tree, anchor, w2.length, key, prep)
+                    attach = self._attacher.snapshot
+                stored = attach(tree, anchor, w2.length, key, prep)
             finally:
-                self._unpin(tree, [anchor])
+                self._ledger.unpin(tree, [anchor])
             if not stored:
                 tree.stats.rejected += 1
             elif self.disk is not None and layout.sliceable and w2.length < n:
@@ -279,57 +312,38 @@ class PromptCache(DiskLoading, Attaching, Budget, Outlining):
                 self.disk.put(model, key, path, layers.layout_json(layout))
             return stored
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+    # ------------------------------------------------------- eviction, outline
 
-    def _touch(self, node: Node, tree: ModelTree) -> None:
-        """A cached sequence just used: last in the LRU order, and its time on the clock that
-        window KV and checkpoints are ordered by too."""
-        node.used, node.seen = self._tick(), time.time()
-        self._lru.touch(node, tree)
+    def clear(self, model: Hashable | None = None) -> None:
+        """Drop every cached sequence of `model` (of all models when None), on disk too.
 
-    # -------------------------------------------------------------- eviction
+        State a running fetch is using is dropped when that fetch ends.
+        """
+        if self.disk is not None:
+            self.disk.clear(model)
+        with self._lock:
+            for key in [model] if model is not None else list(self._trees):
+                tree = self._trees.get(key)
+                if tree is None:
+                    continue
+                for node in [n for n in iter_nodes(tree.root) if n.terminal]:
+                    self._ledger.drop(tree, node)
+                if not tree.root.children:
+                    del self._trees[key]
 
-    # ------------------------------------------------------- node bookkeeping
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> int:
+        """Evict LRU sequences until at most `n_sequences` and `n_bytes` remain."""
+        seqs = NO_LIMIT if n_sequences is None else max(0, n_sequences)
+        nb = NO_LIMIT if n_bytes is None else max(0, n_bytes)
+        with self._lock:
+            return self._budget.trim(seqs, nb)
 
-    def _mark(self, tree: ModelTree, node: Node) -> None:
-        node.terminal = True
-        tree.stats.sequences += 1
-        self._touch(node, tree)
-
-    def _unmark(self, tree: ModelTree, node: Node) -> None:
-        node.terminal = False
-        tree.stats.sequences -= 1
-        self._lru.discard(node)
-
-    def _drop(self, tree: ModelTree, node: Node) -> None:
-        """Remove the sequence ending at `node`, and the nodes only it needed."""
-        self._unmark(tree, node)
-        self._add_bytes(tree, -node.entry_nbytes)
-        node.entry, node.entry_nbytes = None, 0
-        self._prune(tree, node)
-
-    def _prune(self, tree: ModelTree, node: Node) -> None:
-        while node.parent is not None and not node.children and not node.terminal and not node.pins:
-            parent = node.parent
-            detach(node)
-            tree.version += 1
-            self._add_bytes(tree, -(node.segment_nbytes + node.checkpoint_nbytes
-                                    + node.window_nbytes))  # fmt: skip
-            node = parent
-
-    def _add_bytes(self, tree: ModelTree, delta: int) -> None:
-        tree.stats.bytes += delta
-        self._nbytes += delta
-
-    @staticmethod
-    def _pin(nodes: list[Node]) -> None:
-        for node in nodes:
-            node.pins += 1
-
-    def _unpin(self, tree: ModelTree, nodes: list[Node]) -> None:
-        for node in nodes:
-            node.pins -= 1
-        for node in reversed(nodes):
-            self._prune(tree, node)
+    def outline(self, max_nodes: int = 100, preview: int = 24) -> dict[Hashable, Outline]:
+        """Each model key's largest branches and how many nodes were left out (`outline`),
+        each branch marked where the disk tier holds its path too."""
+        with self._lock:
+            shown = {key: outline(tree.root, max_nodes, preview)
+                     for key, tree in self._trees.items()}  # fmt: skip
+        if self.disk is not None:  # outside the lock: the disk tier takes its own
+            mark_on_disk(shown, self.disk)
+        return shown

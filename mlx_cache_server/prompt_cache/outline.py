@@ -97,21 +97,10 @@ def outline(root: Node, max_nodes: int = 100, preview: int = 24) -> tuple[list[B
 Outline = tuple[list[Branch], int]
 
 
-class Outlining:
-    """`PromptCache`'s outline of each of its trees (a part of it, by reason to change)."""
-
-    _lock: Any
-    _trees: dict[Hashable, Any]
-    disk: Any
-
-    def outline(self, max_nodes: int = 100, preview: int = 24) -> dict[Hashable, Outline]:
-        """Each model key's largest branches and how many nodes were left out (`outline`),
-        each branch marked where the disk tier holds its path too."""
-        with self._lock:
-            shown = {key: outline(tree.root, max_nodes, preview)
-                     for key, tree in self._trees.items()}  # fmt: skip
-        if self.disk is not None:  # outside the lock: the disk tier takes its own
-            for key, (top, _) in shown.items():
-                for branch in branches_in(top):
-                    branch.on_disk = self.disk.match(key, branch.path) >= branch.depth
-        return shown
+def mark_on_disk(shown: dict[Hashable, Outline], disk: Any) -> None:
+    """Mark each branch of each model key's outline whose whole path the disk tier (a
+    `DiskTier`) holds too. Each lookup takes the tier's lock: call it with the cache's
+    lock free, as `PromptCache.outline` does."""
+    for key, (top, _) in shown.items():
+        for branch in branches_in(top):
+            branch.on_disk = disk.match(key, branch.path) >= branch.depth

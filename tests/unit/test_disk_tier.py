@@ -138,13 +138,13 @@ def test_concurrent_fetches_of_one_disk_segment_each_get_it_whole(tmp_path):
 
 def test_clear_wins_over_writes_queued_before_it(tmp_path):
     cache = tiered(tmp_path)
-    gate, write = threading.Event(), cache.disk._write
+    gate, write = threading.Event(), cache.disk._writer._write
 
     def held(*job):
         gate.wait()
         write(*job)
 
-    cache.disk._write = held  # the writer waits: every insert's write is still queued
+    cache.disk._writer._write = held  # the writer waits: every insert's write is still queued
     for t in range(5):
         seq = [t] + SYSTEM
         cache.insert("m", seq, kv_cache(seq))
@@ -351,7 +351,7 @@ def test_a_file_found_corrupt_on_load_keeps_the_files_below_it(tmp_path):
         cache.insert("m", seq, kv_cache(seq))
     cache.disk.close()
     again = tiered(tmp_path)
-    first = min(again.disk._lru, key=lambda f: f.start)
+    first = min(again.disk._space.lru, key=lambda f: f.start)
     path = again.disk.folder / f"{first.name}.safetensors"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF

@@ -123,7 +123,8 @@ class CacheMatchesReference(RuleBasedStateMachine):
     @precondition(lambda self: not hasattr(self, "cache"))
     def start(self, max_sequences, max_tokens):
         self.cache = PromptCache(max_sequences, max_tokens * BYTES_PER_TOKEN)
-        self.cache._shorten_copy = 10**9  # its cost rule depends on node shapes: tested apart
+        # Cutting into a node has its own cost rule, which depends on node shapes: tested apart.
+        self.cache._budget.shorten_copy = 10**9
         self.ref = Reference(max_sequences, max_tokens * BYTES_PER_TOKEN)
 
     @precondition(lambda self: hasattr(self, "cache"))
