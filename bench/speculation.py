@@ -50,12 +50,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from mlx_cache_server.runtime.blas import use_openblas
+
+use_openblas()  # `--pass-cost` runs the model here: the server's BLAS, loaded before MLX
+
 import httpx
 from multiturn import RESULTS, free_port, running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
-from mlx_cache_server.runtime.blas import use_openblas
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [
@@ -159,7 +162,6 @@ def acceptance(grown: dict[str, float]) -> dict[str, float | None]:
 
 
 def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)) -> None:
-    use_openblas()  # the server's BLAS, before MLX is imported
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache
