@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import native
+from . import module_tree, native
 
 enabled = True  # off: the swapped modules call MLX's functions, as before
 
@@ -86,17 +86,4 @@ def install(model: Any) -> int:
     ops = native.layers()
     if ops is None:
         return 0
-    swapped = 0
-    for module in model.modules():  # `model` among them
-        for key, value in list(module.items()):
-            children = value if isinstance(value, list) else [value]
-            for i, child in enumerate(children):
-                ours = _swapped(child, ops)
-                if ours is None:
-                    continue
-                if children is value:
-                    value[i] = ours
-                else:
-                    module[key] = ours
-                swapped += 1
-    return swapped
+    return module_tree.replace(model, lambda child: _swapped(child, ops))

@@ -9,7 +9,7 @@ MLX's matmul, as before. A row's result does not depend on the rows beside it, s
 row decoded alone, in a batch or in a draft's pass gets the same bits, and the same as
 in a block's nodes (`kernel_block`).
 
-`install` replaces modules in the model's tree (as `nn.quantize` does), after
+`install` replaces modules in the model's tree (`module_tree`, as `nn.quantize` does), after
 `kernel_block` took the blocks it runs (which read their projections' weights).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import native
+from . import module_tree, native
 
 MAX_ROWS = 64  # as `csrc/gemm.c`: more rows go to the BLAS, which is faster for them
 enabled = True  # off: the modules run mlx-lm's call, as before
@@ -85,17 +85,6 @@ def install(model: Any) -> int:
     ops = native.layers()
     if ops is None:
         return 0
-    replaced = 0
-    for module in model.modules():  # `model` among them
-        for key, value in list(module.items()):
-            children = value if isinstance(value, list) else [value]
-            for i, child in enumerate(children):
-                ours = _ours(child, ops) if isinstance(child, nn.Module) else None
-                if ours is None:
-                    continue
-                if children is value:
-                    value[i] = ours
-                else:
-                    module[key] = ours
-                replaced += 1
-    return replaced
+    return module_tree.replace(
+        model, lambda child: _ours(child, ops) if isinstance(child, nn.Module) else None
+    )
