@@ -22,6 +22,11 @@ from setuptools.command.build_ext import build_ext
 CSRC = Path("mlx_cache_server/runtime/csrc")
 C_SOURCES = ("pool.c", "gemm.c", "attention.c")
 CXX_SOURCES = ("layers.cpp", "block.cpp")
+# The C kernels keep GCC's contraction of a product and a sum into one fused multiply-add
+# where the instruction set has it (the AVX2 and AVX-512 builds): a variant's bits differ
+# from another's in the last place, and a machine always imports the same variant, so a
+# row gets the same bits run to run, alone or in a batch. The C++ primitives, which must
+# give MLX's own bits, are built without it.
 C_FLAGS = ["-O3", "-pthread", "-std=gnu11", "-g0"]
 CXX_FLAGS = [
     "-O2", "-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing", "-ffp-contract=off",

@@ -15,6 +15,7 @@ a CUDA build of MLX or macOS (Accelerate) loads nothing.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import importlib.metadata
 import os
 import sys
@@ -33,18 +34,23 @@ why_not: str | None = None  # why `use_openblas` loaded nothing, once it was cal
 
 
 def find_openblas() -> str | None:
-    return next((p for p in CANDIDATES if Path(p).exists()), None)
+    """The system's OpenBLAS: Debian's threaded build, else what the linker finds."""
+    found = next((p for p in CANDIDATES if Path(p).exists()), None)
+    return found or ctypes.util.find_library("openblas")
 
 
 def openblas_loaded() -> bool:
-    """Whether the system OpenBLAS is mapped (numpy's own bundled copy does not count)."""
+    """Whether `cblas_sgemm`, looked up as MLX's library looks it up (the libraries with
+    global symbols first), is the system OpenBLAS's (numpy's bundled copy does not count)."""
     lib = find_openblas()
-    if lib is None:
+    if lib is None or not sys.platform.startswith("linux"):
         return False
     try:
-        return str(Path(lib).resolve()) in Path("/proc/self/maps").read_text()
-    except OSError:
+        first = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
+        ours = ctypes.cast(ctypes.CDLL(lib).cblas_sgemm, ctypes.c_void_p).value
+    except (AttributeError, OSError):  # no global cblas_sgemm, or the library does not load
         return False
+    return first == ours
 
 
 def cuda_backend() -> str | None:
@@ -65,8 +71,8 @@ def use_openblas() -> bool:
     is loaded now (`why_not` says why not)."""
     global why_not
     why_not = _refusal()
-    if why_not is None and not openblas_loaded():
-        try:
+    if why_not is None:
+        try:  # where it is loaded already without global symbols, this makes them global
             ctypes.CDLL(find_openblas(), mode=os.RTLD_GLOBAL)
         except OSError as e:
             why_not = f"it does not load: {e}"

@@ -102,7 +102,11 @@ def _checked(module: ModuleType, mx: ModuleType) -> ModuleType | None:
     global problem
     built = module.built_with()
     if built.split()[1] != mx.__version__:
-        problem = f"built against {built}, running MLX {mx.__version__}: reinstall the package"
+        problem = (
+            f"built against {built}, running MLX {mx.__version__}: reinstall the package "
+            "against this MLX (pip install --force-reinstall --no-cache-dir, with "
+            "PIP_CONSTRAINT naming the file that pins MLX)"
+        )
         return None
     try:
         with mx.stream(mx.cpu):

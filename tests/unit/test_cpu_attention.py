@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
-from mlx_cache_server.runtime import cpu_attention, kernel_attention
+from mlx_cache_server.runtime import cpu_attention, kernel_attention, native
 
 
 def qkv(batch: int, heads: int, kv_heads: int, queries: int, keys: int, dim: int, seed: int = 0):
@@ -100,7 +100,7 @@ def test_query_chunks_give_the_same_rows(monkeypatch):
 
 
 def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
-    """Where our kernels are not preloaded (kernel_attention's routes are below)."""
+    """Where our kernels' module is not there (kernel_attention's routes are below)."""
     monkeypatch.setattr(kernel_attention, "enabled", False)
     calls, decoded = [], []
     monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or a[0])
@@ -188,7 +188,7 @@ def test_one_chunk_of_scores_at_a_time(monkeypatch):
 
 def test_a_few_queries_a_sequence_go_to_the_kernel(monkeypatch):
     if not kernel_attention.available():
-        pytest.skip("the kernels' library is not preloaded")
+        pytest.skip(f"no kernels' module here: {native.problem}")
     kernel, calls = [], []
     real = kernel_attention.attention
     monkeypatch.setattr(kernel_attention, "attention", lambda *a: kernel.append(a) or real(*a))

@@ -3,6 +3,9 @@ built against its MLX, else none and the reason."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import platform
 import sys
 import types
 
@@ -11,6 +14,8 @@ import pytest
 
 from mlx_cache_server.runtime import native
 
+PACKAGE = "mlx_cache_server.runtime"
+EXPECT = "MLX_CACHE_SERVER_EXPECT_KERNELS"  # set: the kernels must have been built
 AVX2 = native.X86_64_V3 | {"sse4_2"}
 AVX512 = native.X86_64_V4 | {"sse4_2"}
 
@@ -28,11 +33,6 @@ AVX512 = native.X86_64_V4 | {"sse4_2"}
 )
 def test_the_variants_a_cpu_runs_best_first(machine, flags, expected):
     assert native.variants(machine, flags) == expected
-
-
-def test_this_cpu_has_flags_to_read():
-    if sys.platform.startswith("linux"):
-        assert "x86_64" in native.variants("x86_64", native.cpu_flags())
 
 
 @pytest.fixture
@@ -93,3 +93,46 @@ def test_off_linux_imports_nothing(fresh):
     fresh.setattr(native.sys, "platform", "darwin")
     fresh.setattr(native.importlib, "import_module", lambda name: pytest.fail("imported"))
     assert native.layers() is None and native.problem == "not Linux"
+
+
+def built_variants() -> list[str]:
+    """The modules this CPU runs that the install built, best first."""
+    runs = native.variants(platform.machine(), native.cpu_flags())
+    return [v for v in runs if importlib.util.find_spec(f"{PACKAGE}._kernels_{v}") is not None]
+
+
+@pytest.mark.skipif(
+    not os.environ.get(EXPECT) or not sys.platform.startswith("linux"),
+    reason=f"{EXPECT} is not set (CI sets it: its machine has the compilers)",
+)
+def test_the_install_built_every_variant_this_cpu_runs_and_the_best_is_used():
+    """Where the kernels must be there (CI), an install that left them out, or built them
+    against another MLX, fails here instead of skipping their tests."""
+    runs = native.variants(platform.machine(), native.cpu_flags())
+    assert runs and built_variants() == runs
+    assert native.layers() is not None, native.problem
+    assert native.variant == runs[0]
+
+
+@pytest.mark.parametrize("suffix", built_variants() or ["none"])
+def test_each_built_variant_computes_the_same_products(suffix):
+    """Every variant this CPU runs, not only the one the server imports: products within
+    float32 rounding, a row's bits the same alone as in a batch, MLX's own RMSNorm."""
+    if suffix == "none":
+        pytest.skip(f"no kernels' module built here: {native.problem}")
+    import numpy as np
+
+    module = importlib.import_module(f"{PACKAGE}._kernels_{suffix}")
+    assert module.built_with().split()[1] == mx.__version__
+    rng = np.random.default_rng(1)
+    x = mx.array(rng.standard_normal((8, 576), np.float32))
+    w = mx.array(rng.standard_normal((1000, 576), np.float32))
+    mx.eval(w)
+    with mx.stream(mx.cpu):
+        together = np.asarray(module.linear(x, w))
+        alone = np.asarray(module.linear(x[3:4], w))
+        norm = np.asarray(module.rms_norm(x, mx.ones((576,)), 1e-5))
+    expected = np.asarray(x).astype(np.float64) @ np.asarray(w).astype(np.float64).T
+    np.testing.assert_allclose(together, expected, rtol=2e-5, atol=2e-4)
+    assert np.array_equal(alone[0], together[3])
+    assert np.array_equal(norm, np.asarray(mx.fast.rms_norm(x, mx.ones((576,)), 1e-5)))

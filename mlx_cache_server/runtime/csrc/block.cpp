@@ -14,8 +14,8 @@
 
    Each part is the arithmetic of the node it stands for, in its order, so the block's
    output has the same bits: RMSNorm and RoPE are `layers.h`'s, as in their own nodes;
-   every product is `cblas_sgemm` called as MLX's matmul calls it for `x @ w.T` (the
-   kernels library's where it is preloaded); SwiGLU is `silu(gate) * up` with MLX's CPU
+   every product is `mlxcs_sgemm` (`gemm.c`), which computes a step's few rows itself and
+   hands longer ones to the process's BLAS; SwiGLU is `silu(gate) * up` with MLX's CPU
    sigmoid, its `simd::exp` included.
 
    float32 only; the weights row-contiguous and without biases (`kernel_block.py` swaps
@@ -350,7 +350,10 @@ class Linear : public mx::UnaryPrimitive {
             Scratch packed(static_cast<long>(rows) * k);
             for (int r = 0; r < rows; r++)
                 for (int i = 0; i < k; i++) packed[static_cast<long>(r) * k + i] = xs[starts[r] + i * step];
-            if (rows) product(sgemm(), packed.get(), rows, k, ws, n, o);
+            if (rows && k)
+                product(sgemm(), packed.get(), rows, k, ws, n, o);
+            else  /* an empty sum: zeros, as MLX's matmul gives */
+                std::fill(o, o + static_cast<long>(rows) * n, 0.0f);
         });
     }
 

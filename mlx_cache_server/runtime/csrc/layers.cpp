@@ -13,9 +13,8 @@
      `simd::sin` / `simd::cos`; x1 * cos - x2 * sin and x1 * sin + x2 * cos, each product
      rounded before the sum (no fused multiply-add: built with -ffp-contract=off).
 
-   Attention is the kernels library's (`attention.c`), found in the process when that
-   library is preloaded; as a node of the graph, a step no longer stops at each layer to
-   call it from Python (`kernel_attention.py`).
+   Attention is our kernel (`attention.c`, built into this module); as a node of the graph,
+   a step does not stop at each layer to call it from Python (`kernel_attention.py`).
 
    CPU only, float32 only: the Python side (`kernel_layers.py`, `kernel_attention.py`)
    sends everything else to MLX's own function. */
@@ -290,7 +289,7 @@ mx::array attention_node(const mx::array& q, const mx::array& k, const mx::array
         throw std::invalid_argument(
             "attention takes float32 q (batch, heads, 1 to 16 queries, dim), k and v "
             "(batch, kv heads, keys, dim | vdim), a mask of kind 0 to 3 (an array for 2 and "
-            "3), int32 live (batch) or none, and the kernels library preloaded");
+            "3), and int32 live (batch) or none");
     std::vector<mx::array> inputs = {q, k, v};
     if (masked) inputs.push_back(*mask);
     if (live) inputs.push_back(*live);

@@ -121,7 +121,7 @@ int pool_parts(void) {
 }
 
 void pool_run(pool_task fn, const void *task, int chunks) {
-    if (chunks >= 2) pthread_once(&started, start);
+    pthread_once(&started, start); /* also orders this read of `parts` after its writes */
     if (parts == 1 || chunks < 2 || chunks > 0xffff || pthread_mutex_trylock(&busy) != 0) {
         for (int chunk = 0; chunk < chunks; chunk++) fn(task, chunk);
         return;

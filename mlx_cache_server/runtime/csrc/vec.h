@@ -1,5 +1,5 @@
 /* 16 floats at a time through GCC's vector extensions: the compiler picks the widest
-   registers the CPU has (-march=native). */
+   registers of the instruction set the module is built for (`setup.py`'s -march). */
 #pragma once
 
 #define LANES 16
