@@ -1,17 +1,23 @@
 """The engine thread: its start and stop, and the loop that runs one step after another.
 
-`EngineThread` is a part of `Engine` (the thread runs on the engine's state). Each
-step takes its inputs from the step source (this process, or rank 0 of a sharded
-server), admits new requests into the batch, runs one batched step, and gives
-memory back once the engine has been idle a while. A step that fails fails what was
-running and the engine starts afresh, except on a sharded server, whose ranks could
-no longer agree: there the engine ends.
+`StepLoop` is the engine's thread and what it alone steps through: the inbox requests
+wait in, the step source, and the batch, which it makes with the factory it is handed.
+Each step takes its inputs from the step source (this process, or rank 0 of a sharded
+server), admits new requests into the batch, runs one batched step, and gives memory
+back once the engine has been idle a while. A step that fails fails what was running
+and the engine starts afresh, except on a sharded server, whose ranks could no longer
+agree: there the engine ends.
+
+Invariants: a request handed to `accept` either reaches the inbox before the thread's
+last take, or is failed at once (`_closing` orders the two); once the thread has ended,
+every request it took has ended.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -20,16 +26,14 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from ..runtime import memory
-from .batch import Batch
 from .events import EngineStats, Failed
 from .request import Request, with_followers
-from .solo import Solo
 from .steps import LocalSteps, StepInputs, StepSource
 
 if TYPE_CHECKING:
-    import queue
-
-    from mlx_cache_server.prompt_cache import PromptCache
+    from .batch import Batch
+    from .solo import Solo
+    from .wiring import Fail, Requeue
 
 log = logging.getLogger("mlx_cache_server.engine")
 
@@ -40,34 +44,78 @@ SHARD_LOST = (
 )
 
 
-class EngineThread:
-    cache: PromptCache | None
-    stats: EngineStats
-    local_steps: LocalSteps
-    steps: StepSource
-    sharded: bool
-    failure: str | None
-    stepping_since: float | None
-    on_failure: Callable[[str], None] | None
-    release_after: float
-    kv_bits: int | None
-    kv_group_size: int
-    running: int
-    queued: int
-    clock: Callable[[], float]
-    _inbox: queue.Queue[Request | None]
-    _requeued: list[Request]
-    _release_asked: threading.Event
-    _thread: threading.Thread | None
-    _closing: threading.Lock
-    _closed: bool
-    _clear_cache: Callable[[], int]
+class StepLoop:
+    def __init__(
+        self,
+        stats: EngineStats,
+        new_batch: Callable[[Fail, Requeue], Batch | Solo],
+        clear_cache: Callable[[], int],
+        *,
+        clock: Callable[[], float],
+        release_after: float,
+    ) -> None:
+        """`new_batch(fail, requeue)`: a batch, handed this loop's `fail` and `requeue`;
+        `clear_cache`: empties the prompt cache (a flush, at the step that asks for it)."""
+        self.stats = stats
+        self._new_batch, self._clear_cache = new_batch, clear_cache
+        self.release_after = release_after  # idle seconds before pooled memory goes back
+        self._inbox: queue.Queue[Request | None] = queue.Queue()  # None: wake up, see `stop`
+        self.local_steps = LocalSteps(self._inbox, clock)
+        # Where the steps' inputs come from: this process, or rank 0 of a sharded server.
+        self.steps: StepSource = self.local_steps
+        self.sharded = False  # a rank of a sharded server: a failed step ends the engine
+        self.failure: str | None = None  # why a sharded engine ended, for /health
+        self.stepping_since: float | None = None  # monotonic start of the step under way
+        self.on_failure: Callable[[str], None] | None = None  # told once the engine ended so
+        self._requeued: list[Request] = []  # engine thread: admitted again at the next step
+        self._release_asked = threading.Event()
+        self.thread: threading.Thread | None = None
+        self._closing = threading.Lock()  # orders a submit against the thread's last take
+        self._closed = False
+        self.running = 0  # requests admitted and not finished (read by /health)
+        self.queued = 0  # requests taken by the thread, waiting for their prefill to start
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock a step's time is read from (on rank 0, when sharded)."""
+        return self.local_steps.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.local_steps.clock = clock
+
+    @property
+    def closed(self) -> bool:
+        """The thread has taken its last request: what is submitted now fails at once."""
+        return self._closed
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted: in the inbox or the batch's queue."""
+        return self._inbox.qsize() + self.queued
+
+    def accept(self, request: Request) -> None:
+        """Hand a request to the thread, from any thread; failed at once once it is closed."""
+        with self._closing:
+            if self._closed:  # the thread has taken its last request
+                self.fail([request], SHARD_LOST if self.failure else SHUTTING_DOWN, "shutdown")
+            else:
+                self._inbox.put(request)
+
+    def ask_flush(self) -> None:
+        """Sharded: empty every rank's prompt cache at the next step, which this asks for."""
+        self.local_steps.flush_asked.set()
+        self._inbox.put(None)  # an idle engine steps now
+
+    def ask_release(self) -> None:
+        """Hand pooled memory back to the system as soon as the engine is idle."""
+        self._release_asked.set()
 
     def start(self) -> None:
         self.local_steps.stopping.clear()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
+        self.thread.start()
 
     def run(self) -> None:
         """Run the steps on this thread until the engine stops (a sharded server's other
@@ -79,14 +127,14 @@ class EngineThread:
         """Stop the thread; requests still running or queued fail ("shutting down")."""
         self.local_steps.stopping.set()
         self._inbox.put(None)  # an idle thread waiting for requests sees the stop at once
-        if self._thread is not None:  # an abandoned one is stuck: no waiting for it
-            self._thread.join(0 if self.failure else timeout)
-            if self.sharded and self._thread.is_alive():  # stuck on a process that is gone
+        if self.thread is not None:  # an abandoned one is stuck: no waiting for it
+            self.thread.join(0 if self.failure else timeout)
+            if self.sharded and self.thread.is_alive():  # stuck on a process that is gone
                 self.abandon("the engine did not stop: a process of the sharded model is gone")
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and self._thread is not None and self._thread.is_alive()
+        return self.failure is None and self.thread is not None and self.thread.is_alive()
 
     def abandon(self, why: str) -> None:
         """End every request now, from any thread: this sharded engine's thread is stuck
@@ -99,6 +147,7 @@ class EngineThread:
         self.fail([*taken, *self._requeued], SHARD_LOST, "shutdown")
 
     def requeue(self, request: Request) -> None:
+        """Engine thread: admit `request` again at the next step."""
         self._requeued.append(request)
 
     def fail(self, requests: list[Request], message: str, reason: str = "error") -> None:
@@ -123,7 +172,7 @@ class EngineThread:
                     break
                 for request in inputs.cancelled:
                     request.cancelled = True
-                if inputs.flush and self.cache is not None:
+                if inputs.flush:
                     self._clear_cache()
                 if inputs.release:
                     memory.release_memory()
@@ -132,7 +181,7 @@ class EngineThread:
                     batch.costs.saw_step(m.seconds, m.prompt_tokens, m.decoded, m.depth)
                 new, self._requeued = [*self._requeued, *inputs.new], []
                 if new:
-                    batch = batch or self._new_batch()
+                    batch = batch or self._new_batch(self.fail, self.requeue)
                 if batch is not None:
                     batch.now = inputs.now
                 if new:
@@ -193,8 +242,3 @@ class EngineThread:
         if batch is not None:
             batch.close()
         mx.synchronize()  # finish the cache's asynchronous copies before the thread ends
-
-    def _new_batch(self) -> Batch | Solo:
-        if self.kv_bits is None:
-            return Batch(self)
-        return Solo(self, self.kv_group_size, self.kv_bits)
