@@ -33,10 +33,8 @@ from .wiring import BatchSettings, Fail, Outlet, Requeue
 
 
 class Engine:
-    """What a model's clients and the server see of its generation: the model, its prompt
-    cache and settings, `submit` and `stream`; the thread that runs the steps is the
-    engine's `runner` (`thread.StepLoop`), handed what it needs, and its state is read
-    (and, by the server's setup, set) through the properties below."""
+    """A model's generation as its clients see it (`submit`, `stream`); it has the thread
+    that runs the steps (`runner`, a `thread.StepLoop`), whose state the properties show."""
 
     def __init__(
         self,
@@ -103,9 +101,8 @@ class Engine:
         )  # fmt: skip
 
     def _new_batch(self, fail: Fail, requeue: Requeue) -> Batch | Solo:
-        """The batch the thread runs requests in (`fail`, `requeue`: the thread's), made
-        from the engine's model and settings as they are now: made at the first request
-        and again after a failed step, so a test may swap them before the first one."""
+        """The batch the thread runs requests in (`fail`, `requeue`: the thread's), from the
+        model and settings as they are at its first request (or after a failed step)."""
         outlet = Outlet(self.tokenizer, self.cache, self.replies, self.stats)
         settings = BatchSettings(
             self.batch_args, self.completion_batch_size, self.prefill_step_size,
@@ -115,8 +112,6 @@ class Engine:
         if self.kv_bits is None:
             return Batch(self.model, outlet, settings, fail, requeue)
         return Solo(self.model, outlet, settings, fail, self.kv_group_size, self.kv_bits)
-
-    # ------------------------------------------------------------ the thread
 
     def start(self) -> None:
         self.runner.start()
@@ -152,11 +147,6 @@ class Engine:
     def running(self) -> int:
         """Requests admitted and not finished (read by /health)."""
         return self.runner.running
-
-    @property
-    def queued(self) -> int:
-        """Requests taken by the thread, waiting for their prefill to start."""
-        return self.runner.queued
 
     @property
     def local_steps(self) -> LocalSteps:
@@ -212,11 +202,8 @@ class Engine:
 
     def flush_cache(self) -> int:
         """Empty the prompt cache, every tenant's namespace; how many namespaces it held.
-
         Sharded, every rank empties its cache at the same step (the next one)."""
-        if self.cache is None:
-            return 0
-        if self.runner.sharded:
+        if self.cache is not None and self.runner.sharded:
             self.runner.ask_flush()
             return len(self.cache.models())
         return self._clear_cache()
