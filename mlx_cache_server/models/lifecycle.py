@@ -125,7 +125,7 @@ class Lifecycle(Generic[S]):
             if task is None:
                 task = asyncio.ensure_future(self._load(spec))
                 self.loading[spec.id] = task
-                task.add_done_callback(lambda t, key=spec.id: self.roster.loaded_or_failed(key, t))
+                task.add_done_callback(lambda t, key=spec.id: self._loaded_or_failed(key, t))
             try:
                 # Shielded: a client that leaves does not cancel a load others wait for.
                 await asyncio.wait_for(asyncio.shield(task), max(deadline - time.monotonic(), 0))

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Generic, Literal
@@ -99,6 +100,16 @@ class ModelPool(Generic[S]):
         """The loaded models' memory budget in bytes; None: no budget."""
         return self.lifecycle.budget
 
+    @property
+    def loads(self) -> Counter[str]:
+        """Loads of each model, by id."""
+        return self.lifecycle.loads
+
+    @property
+    def unloads(self) -> Counter[str]:
+        """Unloads of each model, by id."""
+        return self.lifecycle.unloads
+
     # ------------------------------------------------------------ lookups
 
     @property
@@ -134,7 +145,7 @@ class ModelPool(Generic[S]):
                 nbytes = self.loader.estimate(spec)
             out.append(
                 ModelState(
-                    spec, status, nbytes, life.loads[spec.id], life.unloads[spec.id],
+                    spec, status, nbytes, self.loads[spec.id], self.unloads[spec.id],
                     life.load_seconds.get(spec.id),
                 )
             )  # fmt: skip
