@@ -95,10 +95,7 @@ class Engine:
         self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
         self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)
         self.stats = EngineStats()
-        self.runner = StepLoop(
-            self.stats, self._new_batch, self._clear_cache,
-            clock=clock, release_after=release_after,
-        )  # fmt: skip
+        self.runner = StepLoop(self.stats, clock=clock, release_after=release_after)
 
     def _new_batch(self, fail: Fail, requeue: Requeue) -> Batch | Solo:
         """The batch the thread runs requests in (`fail`, `requeue`: the thread's), from the
@@ -114,12 +111,12 @@ class Engine:
         return Solo(self.model, outlet, settings, fail, self.kv_group_size, self.kv_bits)
 
     def start(self) -> None:
-        self.runner.start()
+        self.runner.start(self._new_batch, self._clear_cache)
 
     def run(self) -> None:
         """Run the steps on this thread until the engine stops (a sharded server's other
         ranks, which do nothing else)."""
-        self.runner.run()
+        self.runner.run(self._new_batch, self._clear_cache)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running or queued fail ("shutting down")."""

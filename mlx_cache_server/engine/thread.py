@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mlx_cache_server.engine")
 
+NewBatch = Callable[["Fail", "Requeue"], "Batch | Solo"]
+
 SHUTTING_DOWN = "The server is shutting down; retry on another server or later."
 SHARD_LOST = (
     "A process of this sharded server failed, so the server is stopping; retry once the "
@@ -46,18 +48,9 @@ SHARD_LOST = (
 
 class StepLoop:
     def __init__(
-        self,
-        stats: EngineStats,
-        new_batch: Callable[[Fail, Requeue], Batch | Solo],
-        clear_cache: Callable[[], int],
-        *,
-        clock: Callable[[], float],
-        release_after: float,
+        self, stats: EngineStats, *, clock: Callable[[], float], release_after: float
     ) -> None:
-        """`new_batch(fail, requeue)`: a batch, handed this loop's `fail` and `requeue`;
-        `clear_cache`: empties the prompt cache (a flush, at the step that asks for it)."""
         self.stats = stats
-        self._new_batch, self._clear_cache = new_batch, clear_cache
         self.release_after = release_after  # idle seconds before pooled memory goes back
         self._inbox: queue.Queue[Request | None] = queue.Queue()  # None: wake up, see `stop`
         self.local_steps = LocalSteps(self._inbox, clock)
@@ -111,17 +104,26 @@ class StepLoop:
         """Hand pooled memory back to the system as soon as the engine is idle."""
         self._release_asked.set()
 
-    def start(self) -> None:
+    # The thread is handed the engine's callbacks when it starts, and drops them when it
+    # ends (`Thread` lets go of its arguments): kept here, they would tie the engine and
+    # this loop in a cycle, and an unloaded model would wait for a garbage collection
+    # instead of going the moment its last holder lets go.
+
+    def start(self, new_batch: NewBatch, clear_cache: Callable[[], int]) -> None:
+        """Start the thread. `new_batch(fail, requeue)`: a batch, handed this loop's `fail`
+        and `requeue`; `clear_cache`: empties the prompt cache (a flush, at its step)."""
         self.local_steps.stopping.clear()
         self._closed = False
-        self.thread = threading.Thread(target=self._loop, name="mlx-engine", daemon=True)
+        self.thread = threading.Thread(
+            target=self._loop, args=(new_batch, clear_cache), name="mlx-engine", daemon=True
+        )
         self.thread.start()
 
-    def run(self) -> None:
+    def run(self, new_batch: NewBatch, clear_cache: Callable[[], int]) -> None:
         """Run the steps on this thread until the engine stops (a sharded server's other
-        ranks, which do nothing else)."""
+        ranks, which do nothing else); the arguments as `start`'s."""
         self._closed = False
-        self._loop()
+        self._loop(new_batch, clear_cache)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the thread; requests still running or queued fail ("shutting down")."""
@@ -157,7 +159,7 @@ class StepLoop:
                 request.end(Failed(message, reason))
                 self.stats.failed += 1
 
-    def _loop(self) -> None:
+    def _loop(self, new_batch: NewBatch, clear_cache: Callable[[], int]) -> None:
         batch: Batch | Solo | None = None
         idle_since: float | None = None  # set when the last request ended; None once released
         inputs: StepInputs | None = None
@@ -173,7 +175,7 @@ class StepLoop:
                 for request in inputs.cancelled:
                     request.cancelled = True
                 if inputs.flush:
-                    self._clear_cache()
+                    clear_cache()
                 if inputs.release:
                     memory.release_memory()
                 if batch is not None and inputs.measured is not None:
@@ -181,7 +183,7 @@ class StepLoop:
                     batch.costs.saw_step(m.seconds, m.prompt_tokens, m.decoded, m.depth)
                 new, self._requeued = [*self._requeued, *inputs.new], []
                 if new:
-                    batch = batch or self._new_batch(self.fail, self.requeue)
+                    batch = batch or new_batch(self.fail, self.requeue)
                 if batch is not None:
                     batch.now = inputs.now
                 if new:
