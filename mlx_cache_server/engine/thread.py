@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mlx_cache_server.engine")
 
+# Makes the batch the steps run in, handed the loop's `fail` and `requeue`.
 NewBatch = Callable[["Fail", "Requeue"], "Batch | Solo"]
 
 SHUTTING_DOWN = "The server is shutting down; retry on another server or later."
@@ -47,6 +48,9 @@ SHARD_LOST = (
 
 
 class StepLoop:
+    """`accept`, `stop`, `abandon`, the `ask_` methods and the counters' reads run on any
+    thread; `requeue` and the steps on the engine thread alone."""
+
     def __init__(
         self, stats: EngineStats, *, clock: Callable[[], float], release_after: float
     ) -> None:
