@@ -11,8 +11,6 @@ generated goes back into the cache for the next turn.
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,16 +20,22 @@ from typing import Any
 from mlx_cache_server.prompt_cache import PromptCache, fresh_cache
 from mlx_cache_server.prompt_cache.layers import mode_of
 
+from .batch import Batch
 from .constraint import GrammarTokenizer
 from .draft_model import DraftModel
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
 from .replies import BUDGET, RecentReplies
 from .request import Request
+from .solo import Solo
 from .steps import LocalSteps, StepSource
-from .thread import SHARD_LOST, SHUTTING_DOWN, EngineThread
+from .thread import StepLoop
+from .wiring import BatchSettings, Fail, Outlet, Requeue
 
 
-class Engine(EngineThread):
+class Engine:
+    """A model's generation as its clients see it (`submit`, `stream`); it has the thread
+    that runs the steps (`runner`, a `thread.StepLoop`), whose state the properties show."""
+
     def __init__(
         self,
         model: Any,
@@ -72,9 +76,6 @@ class Engine(EngineThread):
         self.min_prefill_chunk = min(min_prefill_chunk, prefill_step_size)
         # Seconds a prompt may wait while shorter ones go first (`schedule`).
         self.max_prefill_wait = max_prefill_wait
-        self.release_after = release_after  # idle seconds before pooled memory goes back
-        self._inbox: queue.Queue[Request | None] = queue.Queue()  # None: wake up, see `stop`
-        self.local_steps = LocalSteps(self._inbox, clock)
         self.generation_config = generation_config or {}  # the model's sampling values
         self.completion_batch_size = completion_batch_size
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size  # None: full-precision KV
@@ -92,46 +93,121 @@ class Engine(EngineThread):
             "draft": draft,
         }
         self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
-        # Where the steps' inputs come from: this process, or rank 0 of a sharded server.
-        self.steps: StepSource = self.local_steps
-        self.sharded = False  # a rank of a sharded server: a failed step ends the engine
-        self.failure: str | None = None  # why a sharded engine ended, for /health
-        self.stepping_since: float | None = None  # monotonic start of the step under way
-        self.on_failure: Callable[[str], None] | None = None  # told once the engine ended so
-        self._requeued: list[Request] = []  # engine thread: admitted again at the next step
-        self._release_asked = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closing = threading.Lock()  # orders a submit against the thread's last take
-        self._closed = False
-        self.running = 0  # requests admitted and not finished (read by /health)
-        self.queued = 0  # requests taken by the thread, waiting for their prefill to start
         self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)
         self.stats = EngineStats()
+        self.runner = StepLoop(self.stats, clock=clock, release_after=release_after)
+
+    def _new_batch(self, fail: Fail, requeue: Requeue) -> Batch | Solo:
+        """The batch the thread runs requests in (`fail`, `requeue`: the thread's), from the
+        model and settings as they are at its first request (or after a failed step)."""
+        outlet = Outlet(self.tokenizer, self.cache, self.replies, self.stats)
+        settings = BatchSettings(
+            self.batch_args, self.completion_batch_size, self.prefill_step_size,
+            self.min_prefill_chunk, self.decode_gap, self.max_prefill_wait,
+            self.min_shared_prefix,
+        )  # fmt: skip
+        if self.kv_bits is None:
+            return Batch(self.model, outlet, settings, fail, requeue)
+        return Solo(self.model, outlet, settings, fail, self.kv_group_size, self.kv_bits)
+
+    def start(self) -> None:
+        self.runner.start(self._new_batch, self._clear_cache)
+
+    def run(self) -> None:
+        """Run the steps on this thread until the engine stops (a sharded server's other
+        ranks, which do nothing else)."""
+        self.runner.run(self._new_batch, self._clear_cache)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still running or queued fail ("shutting down")."""
+        self.runner.stop(timeout)
+
+    def abandon(self, why: str) -> None:
+        """End every request now, from any thread (`StepLoop.abandon`)."""
+        self.runner.abandon(why)
+
+    @property
+    def alive(self) -> bool:
+        return self.runner.alive
+
+    @property
+    def failure(self) -> str | None:
+        """Why a sharded engine ended, for /health; None while it serves."""
+        return self.runner.failure
+
+    @property
+    def stepping_since(self) -> float | None:
+        """Monotonic start of the step under way; None between steps."""
+        return self.runner.stepping_since
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not finished (read by /health)."""
+        return self.runner.running
+
+    @property
+    def local_steps(self) -> LocalSteps:
+        """This process's step inputs (what rank 0 of a sharded server hands the others)."""
+        return self.runner.local_steps
+
+    @property
+    def steps(self) -> StepSource:
+        """Where the steps' inputs come from: this process, or rank 0 of a sharded server."""
+        return self.runner.steps
+
+    @steps.setter
+    def steps(self, steps: StepSource) -> None:
+        self.runner.steps = steps
+
+    @property
+    def sharded(self) -> bool:
+        """A rank of a sharded server: a failed step ends the engine."""
+        return self.runner.sharded
+
+    @sharded.setter
+    def sharded(self, sharded: bool) -> None:
+        self.runner.sharded = sharded
+
+    @property
+    def on_failure(self) -> Callable[[str], None] | None:
+        """Told once the engine ended, from the engine's thread."""
+        return self.runner.on_failure
+
+    @on_failure.setter
+    def on_failure(self, on_failure: Callable[[str], None] | None) -> None:
+        self.runner.on_failure = on_failure
+
+    @property
+    def release_after(self) -> float:
+        """Idle seconds before pooled memory goes back."""
+        return self.runner.release_after
+
+    @release_after.setter
+    def release_after(self, seconds: float) -> None:
+        self.runner.release_after = seconds
 
     @property
     def clock(self) -> Callable[[], float]:
         """The clock a step's time is read from (on rank 0, when sharded)."""
-        return self.local_steps.clock
+        return self.runner.clock
 
     @clock.setter
     def clock(self, clock: Callable[[], float]) -> None:
-        self.local_steps.clock = clock
+        self.runner.clock = clock
 
     # ------------------------------------------------------------ cache
 
     def flush_cache(self) -> int:
         """Empty the prompt cache, every tenant's namespace; how many namespaces it held.
-
         Sharded, every rank empties its cache at the same step (the next one)."""
-        if self.cache is None:
-            return 0
-        if self.sharded:
-            self.local_steps.flush_asked.set()
-            self._inbox.put(None)  # an idle engine steps now
+        if self.cache is not None and self.runner.sharded:
+            self.runner.ask_flush()
             return len(self.cache.models())
         return self._clear_cache()
 
     def _clear_cache(self) -> int:
+        if self.cache is None:
+            return 0
         keys = self.cache.models()
         for key in keys:
             self.cache.clear(key)
@@ -140,12 +216,12 @@ class Engine(EngineThread):
 
     def release_memory(self) -> None:
         """Hand pooled memory back to the system as soon as the engine is idle."""
-        self._release_asked.set()
+        self.runner.ask_release()
 
     @property
     def waiting(self) -> int:
         """Requests submitted and not yet admitted: in the inbox or the batch's queue."""
-        return self._inbox.qsize() + self.queued
+        return self.runner.waiting
 
     # ------------------------------------------------------------ clients
 
@@ -172,11 +248,7 @@ class Engine(EngineThread):
         # Decided here, in the parameters a sharded server's other ranks are handed.
         params = replace(params, checkpoints=self.checkpoints_of(len(tokens), params.checkpoints))
         request = Request(list(tokens), params, emit, self.cache_key(namespace))
-        with self._closing:
-            if self._closed:  # the thread has taken its last request
-                self.fail([request], SHARD_LOST if self.failure else SHUTTING_DOWN, "shutdown")
-            else:
-                self._inbox.put(request)
+        self.runner.accept(request)
         return request
 
     async def stream(
@@ -192,7 +264,7 @@ class Engine(EngineThread):
             except RuntimeError:  # the loop is gone; nobody is listening
                 pass
 
-        if self.cache is not None and self.cache.disk is not None and not self._closed:
+        if self.cache is not None and self.cache.disk is not None and not self.runner.closed:
             # Here, not in the engine's fetch: reading a conversation back from disk
             # holds up no running generation. Its own threads: a slow disk must not hold
             # up the loop's executor, which every request's templating goes through.

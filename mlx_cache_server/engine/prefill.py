@@ -6,7 +6,7 @@ step costs as much as prefilling dozens of tokens. A request admitted on its
 own whose uncached prompt fits in one step skips it here, then joins the batch
 with its first token as its prompt. A longer one goes through the batch in
 chunks, so that prompts arriving meanwhile can start beside it, and comes back
-here for its last chunk when no other prompt is prefilling (`Batch._last_chunk`).
+here for its last chunk when no other prompt is prefilling (`PromptSteps.last_chunk`).
 Requests admitted together keep the batched path, which prefills them in one
 forward pass. (bench/README.md, "First token", has the measurements.)
 """

@@ -44,7 +44,7 @@ from .text import StopMatcher
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .host import Host
+    from .wiring import BatchSettings, Fail, Outlet
 
 log = logging.getLogger("mlx_cache_server.engine")
 
@@ -102,8 +102,20 @@ class _Run:
 class Solo:
     """The `Batch` interface (`intake`, `step`, `drop_cancelled`, `active`) for quantized KV."""
 
-    def __init__(self, engine: Host, group_size: int, bits: int) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        model: Any,
+        outlet: Outlet,
+        settings: BatchSettings,
+        fail: Fail,
+        group_size: int,
+        bits: int,
+    ) -> None:
+        """`fail`: the engine thread's, for a request whose own forward pass failed."""
+        self.model = model
+        self.outlet = outlet
+        self.settings = settings
+        self._fail = fail
         self.group_size, self.bits = group_size, bits
         self.active: dict[int, Request] = {}
         self.runs: dict[int, _Run] = {}
@@ -159,79 +171,79 @@ class Solo:
         except Exception:  # this request's forward pass failed: it alone ends
             log.exception("a request failed in its own forward pass")
             self._leave(run)
-            self.engine.fail([request], "Generation failed on the server. Retry.")
+            self._fail([request], "Generation failed on the server. Retry.")
             return None
         if request.fault is not None and not request.ended:
             log_fault(request.fault)
             self._leave(run)
             request.end(sampling_failed(request.fault))
-            self.engine.stats.failed += 1
+            self.outlet.stats.failed += 1
         return out
 
     def _prefill(self, run: _Run) -> int:
         """One chunk of the prompt; the last one samples the first token. Tokens run."""
-        request, engine = run.request, self.engine
+        request, s = run.request, self.settings
         tokens = request.tokens
         if run.cache is None:
             self._start(run)
         at = len(run.fed)
         decoding = any(not r.prefilling for r in self.runs.values())
-        chunk = chunk_size(self.costs, decoding, engine.decode_gap, engine.min_prefill_chunk,
-                           engine.prefill_step_size, depth=at)  # fmt: skip
+        chunk = chunk_size(self.costs, decoding, s.decode_gap, s.min_prefill_chunk,
+                           s.prefill_step_size, depth=at)  # fmt: skip
         # A hybrid model's chunk ends where its cache is to be checkpointed, and is stored there.
         mark = next((p for p in request.params.checkpoints if p > at), None)
         if mark is not None:
             chunk = min(chunk, mark - at)
         if len(tokens) - at > chunk:
-            engine.model(mx.array(tokens[at : at + chunk])[None], cache=run.cache)
+            self.model(mx.array(tokens[at : at + chunk])[None], cache=run.cache)
             mx.eval([c.state for c in run.cache])
             run.fed = tokens[: at + chunk]
             if at + chunk == mark:
-                store(engine, request, (run.cache, run.fed))
+                store(self.outlet, request, (run.cache, run.fed))
             return chunk
-        logits = last_logits(engine.model, mx.array(tokens[at:])[None], run.cache)
+        logits = last_logits(self.model, mx.array(tokens[at:])[None], run.cache)
         run.fed = list(tokens)
         request.prefilling = False
         # Cached now, not only when it ends: a request waiting behind this one with the
         # same system prompt starts from it.
-        store(engine, request, (run.cache, run.fed))
+        store(self.outlet, request, (run.cache, run.fed))
         self._sample(run, logits)
         return len(tokens) - at
 
     def _start(self, run: _Run) -> None:
-        request, engine = run.request, self.engine
+        request, outlet = run.request, self.outlet
         n = 0
-        if engine.cache is not None:
-            found = engine.cache.fetch(request.cache_key, request.packed)
+        if outlet.cache is not None:
+            found = outlet.cache.fetch(request.cache_key, request.packed)
             run.cache, n = found.cache, found.n_cached
         if run.cache is None:
-            run.cache = quantized_cache(engine.model, self.group_size, self.bits)
+            run.cache = quantized_cache(self.model, self.group_size, self.bits)
         run.fed = request.tokens[:n]
-        request.detok = engine.tokenizer.detokenizer
+        request.detok = outlet.tokenizer.detokenizer
         request.stops = StopMatcher(request.params.stop)
         run.sampler, run.processors = request.sampling()
-        engine.stats.admitted += 1
+        outlet.stats.admitted += 1
         request.emit(Started(prompt_tokens=len(request.tokens), cached_tokens=n))
 
     def _decode(self, run: _Run) -> None:
         token = run.next_token
-        logits = self.engine.model(mx.array([[token]]), cache=run.cache)[:, -1, :]
+        logits = self.model(mx.array([[token]]), cache=run.cache)[:, -1, :]
         run.fed.append(token)
         self._sample(run, logits)
 
     def _sample(self, run: _Run, logits: mx.array) -> None:
-        request, engine = run.request, self.engine
+        request, outlet = run.request, self.outlet
         token, logprobs = sample(logits, run.fed, run.sampler, run.processors)
         if request.fault is not None:
             return
         token = int(token.item())
         finish = None
-        if token in engine.tokenizer.eos_token_ids:
+        if token in outlet.tokenizer.eos_token_ids:
             finish = "stop"
         elif request.generated + 1 >= request.params.max_tokens:
             finish = "length"
         run.next_token = token
-        if deliver(engine, request, token, logprobs[0], finish, lambda: self._state(run)):
+        if deliver(outlet, request, token, logprobs[0], finish, lambda: self._state(run)):
             self._leave(run)
 
     @staticmethod
@@ -250,5 +262,5 @@ class Solo:
             self._leave(run)
             request.end(Finished("cancelled", request.generated))
             if run.cache is not None:  # admitted (`_start`): counted as the batch counts
-                store(self.engine, request, self._state(run))
-                self.engine.stats.cancelled += 1
+                store(self.outlet, request, self._state(run))
+                self.outlet.stats.cancelled += 1

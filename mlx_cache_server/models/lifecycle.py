@@ -1,27 +1,29 @@
 """Loading and unloading one model for `ModelPool`: fetching its files, making room for
 it under the memory budget, opening it on a worker thread, closing it.
 
-`Lifecycle` is a part of `ModelPool`: its methods run on the event loop, on the pool's
-state, and the pool's invariants (its docstring) hold across them.
+`Lifecycle` is the pool's loader and unloader: it is handed the pool's loader, its
+`Roster` (the loaded models), and the `stopping` event the pool shows the server. Its
+methods run on the event loop, and the pool's invariants (its docstring) hold across
+them: one load or unload runs at a time, under `changing`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol
 
-from .residency import Resident, make_room
+from .residency import make_room
+from .roster import Loaded, Roster, S
 from .specs import ModelSpec
 
 log = logging.getLogger("mlx_cache_server.models")
 
-S = TypeVar("S")
 POLL = 0.05  # seconds between looks at busy models while a load waits for their room
 
 
@@ -67,38 +69,62 @@ class ModelBusy(RuntimeError):
     pass
 
 
-@dataclass(eq=False)
-class Loaded(Generic[S]):
-    spec: ModelSpec
-    served: S
-    bytes: int
-    last_used: float
-    leases: int = 0  # requests between asking for the model and their slot in its engine
-
-
 class Lifecycle(Generic[S]):
-    loader: Loader[S]
-    budget: int | None
-    load_timeout: float
-    clock: Callable[[], float]
-    loads: Counter[str]
-    unloads: Counter[str]
-    load_seconds: dict[str, float]
-    _loaded: dict[str, Loaded[S]]
-    _loading: dict[str, asyncio.Future]
-    _blocked: dict[str, list[str]]
-    _closed: bool
-    _changing: asyncio.Lock
-    _fetches: ThreadPoolExecutor
-    _residents: Callable[[], list[Resident]]
+    def __init__(
+        self,
+        loader: Loader[S],
+        roster: Roster[S],
+        stopping: threading.Event,
+        *,
+        budget: int | None,
+        load_timeout: float,
+        clock: Callable[[], float],
+    ) -> None:
+        """`stopping`: set at `close`, once the server ends the requests still running."""
+        self.loader = loader
+        self.roster = roster
+        self.stopping = stopping
+        self.budget, self.load_timeout, self.clock = budget, load_timeout, clock
+        self.loading: dict[str, asyncio.Future] = {}  # by model id: its load under way
+        self._blocked: dict[str, list[str]] = {}  # a load waiting for busy models' room
+        self._closed = False
+        self.changing = asyncio.Lock()  # held by each load and unload
+        self._fetches = ThreadPoolExecutor(8, thread_name_prefix="model-fetch")
+        self.loads: Counter[str] = Counter()
+        self.unloads: Counter[str] = Counter()
+        self.load_seconds: dict[str, float] = {}  # the last load's
 
-    async def _ready(self, spec: ModelSpec) -> Loaded[S]:
+    def open_now(self, spec: ModelSpec) -> None:
+        """Load a model before serving starts (no event loop yet, nothing else loading)."""
+        if spec.id in self.roster.loaded:
+            return
+        self.loader.fetch(spec)
+        need = self.loader.estimate(spec)
+        room = make_room(self.roster.residents(), need, self.budget)
+        if not room.fits or room.unload:
+            raise ValueError(self._too_big(spec, need))
+        t0 = time.perf_counter()
+        self._register(spec, self.loader.open(spec), time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Unload everything (at shutdown); a load still running is undone when it ends."""
+        self._closed = True
+        self.stopping.set()
+        self._fetches.shutdown(wait=False)  # a fetch under way ends on its own; none start
+        loaded = self.roster.loaded
+        for model_id in list(loaded):
+            self._close(model_id, loaded.pop(model_id).served)
+        self.loader.reclaim()
+
+    async def ready(self, spec: ModelSpec) -> Loaded[S]:
+        """`spec`'s model once loaded: its load started if none is under way, waited for
+        (bounded by `load_timeout`) without cancelling it when this waiter leaves."""
         deadline = time.monotonic() + self.load_timeout
-        while (loaded := self._loaded.get(spec.id)) is None:
-            task = self._loading.get(spec.id)
+        while (loaded := self.roster.loaded.get(spec.id)) is None:
+            task = self.loading.get(spec.id)
             if task is None:
                 task = asyncio.ensure_future(self._load(spec))
-                self._loading[spec.id] = task
+                self.loading[spec.id] = task
                 task.add_done_callback(lambda t, key=spec.id: self._loaded_or_failed(key, t))
             try:
                 # Shielded: a client that leaves does not cancel a load others wait for.
@@ -115,7 +141,7 @@ class Lifecycle(Generic[S]):
         return loaded
 
     def _loaded_or_failed(self, model_id: str, task: asyncio.Future) -> None:
-        self._loading.pop(model_id, None)
+        self.loading.pop(model_id, None)
         if not task.cancelled():
             task.exception()  # retrieved here: its waiters may all have timed out
 
@@ -127,8 +153,8 @@ class Lifecycle(Generic[S]):
         deadline = time.monotonic() + self.load_timeout
         try:
             while True:
-                async with self._changing:
-                    if spec.id in self._loaded:
+                async with self.changing:
+                    if spec.id in self.roster.loaded:
                         return
                     if await self._room_for(spec):
                         await self._open(spec)
@@ -149,15 +175,15 @@ class Lifecycle(Generic[S]):
         the room."""
         need = self.loader.estimate(spec)
         while True:
-            room = make_room(self._residents(), need, self.budget)
+            room = make_room(self.roster.residents(), need, self.budget)
             if not room.ever:
                 raise ModelTooLarge(self._too_big(spec, need))
             if not room.fits:
-                self._blocked[spec.id] = [r.id for r in self._residents() if r.busy]
+                self._blocked[spec.id] = [r.id for r in self.roster.residents() if r.busy]
                 return False
             if not room.unload:
                 return True
-            await self._unload(room.unload[0], f"room for {spec.id}")
+            await self.unload(room.unload[0], f"room for {spec.id}")
 
     async def _fetch(self, spec: ModelSpec) -> None:
         try:
@@ -188,26 +214,28 @@ class Lifecycle(Generic[S]):
             raise ModelUnavailable("The server is shutting down.")
         self._register(spec, served, time.perf_counter() - t0)
         # Counted before loading from its files, a model may measure more once loaded.
-        while self.budget is not None and sum(m.bytes for m in self._loaded.values()) > self.budget:
-            others = [r for r in self._residents() if r.id != spec.id]
-            room = make_room(others, self._loaded[spec.id].bytes, self.budget)
+        loaded = self.roster.loaded
+        while self.budget is not None and sum(m.bytes for m in loaded.values()) > self.budget:
+            others = [r for r in self.roster.residents() if r.id != spec.id]
+            room = make_room(others, loaded[spec.id].bytes, self.budget)
             if not (room.fits and room.unload):
                 log.warning(
                     "loaded models count more than the %d MiB budget: %s measured more than "
                     "its files, and the others are busy or pinned", self.budget >> 20, spec.id,
                 )  # fmt: skip
                 break
-            await self._unload(room.unload[0], f"room for {spec.id}, as measured")
+            await self.unload(room.unload[0], f"room for {spec.id}, as measured")
 
     def _register(self, spec: ModelSpec, served: S, seconds: float) -> None:
         loaded = Loaded(spec, served, self.loader.measure(served), self.clock())
-        self._loaded[spec.id] = loaded
+        self.roster.loaded[spec.id] = loaded
         self.loads[spec.id] += 1
         self.load_seconds[spec.id] = seconds
         log.info("model %s loaded in %.1fs (%d MiB counted)", spec.id, seconds, loaded.bytes >> 20)
 
-    async def _unload(self, model_id: str, reason: str) -> None:
-        served = self._loaded.pop(model_id).served
+    async def unload(self, model_id: str, reason: str) -> None:
+        """Close a loaded model and free what it held; called under `changing`."""
+        served = self.roster.loaded.pop(model_id).served
         self.unloads[model_id] += 1
         log.info("unloading model %s (%s)", model_id, reason)
         await asyncio.to_thread(self._close, model_id, served)
@@ -223,7 +251,7 @@ class Lifecycle(Generic[S]):
             log.exception("closing model %s failed; it counts as unloaded", model_id)
 
     def _too_big(self, spec: ModelSpec, need: int) -> str:
-        pinned = sum(m.bytes for m in self._loaded.values() if m.spec.pinned)
+        pinned = sum(m.bytes for m in self.roster.loaded.values() if m.spec.pinned)
         return (
             f"The model '{spec.id}' needs {need >> 20} MiB, and the memory budget is "
             f"{(self.budget or 0) >> 20} MiB with {pinned >> 20} MiB of it pinned: it cannot "

@@ -1,12 +1,13 @@
 """The configured models: which are loaded, loading them on first use, unloading them.
 
-`ModelPool` carries out `residency`'s policy on the event loop. Fetching, loading
-and unloading run on worker threads; the decisions run on the loop, so they need no
-locks of their own beyond `_changing`.
+`ModelPool` carries out `residency`'s policy on the event loop, with its `Roster` (the
+loaded models, and who holds or waits for each) and its `Lifecycle` (loading and
+unloading one). Fetching, loading and unloading run on worker threads; the decisions
+run on the loop, so they need no locks of their own beyond `Lifecycle.changing`.
 
 Invariants:
 - a model is never unloaded while it is busy: a request holds it (`use`), waits
-  for it, or still runs on its engine (`Loader.requests`);
+  for it, or still runs on its engine (`Loader.requests`: `Roster.busy`);
 - one load or unload runs at a time, so two loads never plan against the same
   free memory; fetching a model's files (a download, a GGUF import: minutes, maybe)
   comes first, outside that lock, so it holds up no other model's load or unload,
@@ -28,14 +29,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Generic, Literal
 
 from .lifecycle import (
     FetchUnavailable,
     Lifecycle,
-    Loaded,
     Loader,
     ModelBusy,
     ModelTooLarge,
@@ -43,7 +42,8 @@ from .lifecycle import (
     S,
     UnknownModel,
 )
-from .residency import Resident, expired, make_room
+from .residency import expired
+from .roster import Loaded, Roster
 from .specs import ModelSpec
 
 log = logging.getLogger("mlx_cache_server.models")
@@ -66,7 +66,10 @@ class ModelState:
     load_seconds: float | None  # the last load's
 
 
-class ModelPool(Lifecycle[S]):
+class ModelPool(Generic[S]):
+    """The configured models, looked up by name, leased to requests (`use`), loaded and
+    unloaded by its `lifecycle`, which is handed the pool's loader and `roster`."""
+
     def __init__(
         self,
         specs: list[ModelSpec],
@@ -79,24 +82,33 @@ class ModelPool(Lifecycle[S]):
         if not specs:
             raise ValueError("a server needs at least one model")
         self.specs = list(specs)
-        self.loader, self.budget = loader, budget
-        self.load_timeout, self.clock = load_timeout, clock
+        self.loader, self.clock = loader, clock
         self._names = {"default": specs[0]}
         for spec in specs:
             self._names.update(dict.fromkeys(spec.names(), spec))
-        self._loaded: dict[str, Loaded[S]] = {}
-        self._loading: dict[str, asyncio.Future] = {}
-        self._wanted: Counter[str] = Counter()  # requests waiting in `use` for a model
-        self._blocked: dict[str, list[str]] = {}  # a load waiting for busy models' room
-        self._closed = False
+        self.roster: Roster[S] = Roster(loader.requests)
         # Set once the server ends the requests still running (its shutdown grace over):
         # a stream still waiting for a load stops waiting (`server.loading`).
         self.stopping = threading.Event()
-        self._changing = asyncio.Lock()
-        self._fetches = ThreadPoolExecutor(8, thread_name_prefix="model-fetch")
-        self.loads: Counter[str] = Counter()
-        self.unloads: Counter[str] = Counter()
-        self.load_seconds: dict[str, float] = {}
+        self.lifecycle = Lifecycle(
+            loader, self.roster, self.stopping,
+            budget=budget, load_timeout=load_timeout, clock=clock,
+        )  # fmt: skip
+
+    @property
+    def budget(self) -> int | None:
+        """The loaded models' memory budget in bytes; None: no budget."""
+        return self.lifecycle.budget
+
+    @property
+    def loads(self) -> Counter[str]:
+        """Loads of each model, by id."""
+        return self.lifecycle.loads
+
+    @property
+    def unloads(self) -> Counter[str]:
+        """Unloads of each model, by id."""
+        return self.lifecycle.unloads
 
     # ------------------------------------------------------------ lookups
 
@@ -114,26 +126,27 @@ class ModelPool(Lifecycle[S]):
         return {n for n, s in self._names.items() if s is spec}
 
     def loaded(self) -> list[Loaded[S]]:
-        return list(self._loaded.values())
+        return list(self.roster.loaded.values())
 
     def get(self, name: str) -> S | None:
         """The model's served form if it is loaded, without loading it."""
-        loaded = self._loaded.get(self.spec(name).id)
+        loaded = self.roster.loaded.get(self.spec(name).id)
         return loaded.served if loaded is not None else None
 
     def states(self) -> list[ModelState]:
+        life = self.lifecycle
         out = []
         for spec in self.specs:
-            loaded = self._loaded.get(spec.id)
+            loaded = self.roster.loaded.get(spec.id)
             if loaded is not None:
                 status, nbytes = "loaded", loaded.bytes
             else:
-                status = "loading" if spec.id in self._loading else "unloaded"
+                status = "loading" if spec.id in life.loading else "unloaded"
                 nbytes = self.loader.estimate(spec)
             out.append(
                 ModelState(
                     spec, status, nbytes, self.loads[spec.id], self.unloads[spec.id],
-                    self.load_seconds.get(spec.id),
+                    life.load_seconds.get(spec.id),
                 )
             )  # fmt: skip
         return out
@@ -144,12 +157,13 @@ class ModelPool(Lifecycle[S]):
     async def use(self, name: str) -> AsyncIterator[S]:
         """The model `name` names, loaded if need be, held loaded while the block runs."""
         spec = self.spec(name)
-        self._wanted[spec.id] += 1
+        wanted = self.roster.wanted
+        wanted[spec.id] += 1
         try:
-            loaded = await self._ready(spec)
+            loaded = await self.lifecycle.ready(spec)
             loaded.leases += 1
         finally:
-            self._wanted[spec.id] -= 1
+            wanted[spec.id] -= 1
         try:
             yield loaded.served
         finally:
@@ -158,45 +172,46 @@ class ModelPool(Lifecycle[S]):
 
     async def load(self, name: str) -> ModelSpec:
         spec = self.spec(name)
-        self._wanted[spec.id] += 1
+        wanted = self.roster.wanted
+        wanted[spec.id] += 1
         try:
-            await self._ready(spec)
+            await self.lifecycle.ready(spec)
         finally:
-            self._wanted[spec.id] -= 1
+            wanted[spec.id] -= 1
         return spec
 
     async def unload(self, name: str) -> bool:
         """Unload the model now; False if it was not loaded. Refused while it is busy."""
-        spec = self.spec(name)
-        if spec.id in self._loading:  # asked before the lock, which its load may hold
+        spec, life = self.spec(name), self.lifecycle
+        if spec.id in life.loading:  # asked before the lock, which its load may hold
             raise ModelBusy(f"The model '{spec.id}' is loading; unload it once it is loaded.")
-        async with self._changing:
-            loaded = self._loaded.get(spec.id)
+        async with life.changing:
+            loaded = self.roster.loaded.get(spec.id)
             if loaded is None:
                 return False
             if spec.pinned:
                 raise ModelBusy(f"The model '{spec.id}' is pinned: it stays loaded.")
-            if self._busy(loaded):
+            if self.roster.busy(loaded):
                 raise ModelBusy(
                     f"The model '{spec.id}' has requests running; unload it once they end."
                 )
-            await self._unload(spec.id, "asked")
+            await life.unload(spec.id, "asked")
         return True
 
     async def sweep(self) -> list[str]:
         """Unload the models idle for longer than their ttl; the ids unloaded."""
-        now = self.clock()
-        for loaded in self._loaded.values():
-            if self._busy(loaded):
+        now, roster = self.clock(), self.roster
+        for loaded in roster.loaded.values():
+            if roster.busy(loaded):
                 loaded.last_used = now
-        if not expired(self._residents(), now):
+        if not expired(roster.residents(), now):
             return []
         gone = []
-        async with self._changing:
+        async with self.lifecycle.changing:
             # One at a time, each decided afresh: while one unloads, a request may take
             # the next one on the list.
-            while ids := expired(self._residents(), self.clock()):
-                await self._unload(ids[0], "idle")
+            while ids := expired(roster.residents(), self.clock()):
+                await self.lifecycle.unload(ids[0], "idle")
                 gone.append(ids[0])
         return gone
 
@@ -213,41 +228,15 @@ class ModelPool(Lifecycle[S]):
     def open_now(self, name: str) -> ModelSpec:
         """Load a model before serving starts (no event loop yet, nothing else loading)."""
         spec = self.spec(name)
-        if spec.id in self._loaded:
-            return spec
-        self.loader.fetch(spec)
-        need = self.loader.estimate(spec)
-        room = make_room(self._residents(), need, self.budget)
-        if not room.fits or room.unload:
-            raise ValueError(self._too_big(spec, need))
-        t0 = time.perf_counter()
-        self._register(spec, self.loader.open(spec), time.perf_counter() - t0)
+        self.lifecycle.open_now(spec)
         return spec
 
     def adopt(self, spec: ModelSpec, served: S) -> None:
         """Serve a model loaded elsewhere (a test's engine, say) as loaded."""
-        self._loaded[spec.id] = Loaded(spec, served, self.loader.measure(served), self.clock())
+        self.roster.loaded[spec.id] = Loaded(
+            spec, served, self.loader.measure(served), self.clock()
+        )
 
     def close(self) -> None:
         """Unload everything (at shutdown); a load still running is undone when it ends."""
-        self._closed = True
-        self.stopping.set()
-        self._fetches.shutdown(wait=False)  # a fetch under way ends on its own; none start
-        for model_id in list(self._loaded):
-            self._close(model_id, self._loaded.pop(model_id).served)
-        self.loader.reclaim()
-
-    # ------------------------------------------------------------ internals
-
-    def _busy(self, loaded: Loaded[S]) -> bool:
-        return (
-            loaded.leases > 0
-            or self._wanted[loaded.spec.id] > 0
-            or self.loader.requests(loaded.served) > 0
-        )
-
-    def _residents(self) -> list[Resident]:
-        return [
-            Resident(m.spec.id, m.bytes, m.last_used, self._busy(m), m.spec.pinned, m.spec.ttl)
-            for m in self._loaded.values()
-        ]
+        self.lifecycle.close()

@@ -35,7 +35,7 @@ def test_memory_is_released_once_idle(tiny_model_dir, monkeypatch):
     engine = build_engine(Settings(), str(tiny_model_dir))
 
     def release() -> None:  # this engine's releases: an earlier test's may still be winding down
-        if threading.current_thread() is engine._thread:
+        if threading.current_thread() is engine.runner.thread:
             released.append(1.0)
 
     monkeypatch.setattr(memory, "release_memory", release)

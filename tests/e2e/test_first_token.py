@@ -164,7 +164,7 @@ def test_a_long_lone_prompt_is_prefilled_in_steps(tiny_model_dir):
     assert text(lone) == text(batched)
     # Longer than a step: in the batch's chunks (a prompt arriving meanwhile can start
     # beside it, `schedule`), its last token in the last chunk, whose logits give the first
-    # token (`Batch._last_chunk`): no one-token step for it before it decodes.
+    # token (`PromptSteps.last_chunk`): no one-token step for it before it decodes.
     chunks = [n for n in counting.calls if n > 1]
     assert sum(chunks) == len(p) and max(chunks) == 16
 

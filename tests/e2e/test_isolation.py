@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-import mlx_cache_server.engine.batch
 import mlx_cache_server.engine.request
+import mlx_cache_server.engine.running
 from mlx_cache_server.engine import Delta, Engine, Failed, Finished, SamplingParams
 from mlx_cache_server.server import build_engine
 from mlx_cache_server.settings import Settings
@@ -160,7 +160,7 @@ def test_requests_taken_when_the_batch_cannot_start_are_answered(tiny_model_dir,
     def broken(*args, **kwargs):
         raise RuntimeError("no memory for a new batch (simulated)")
 
-    monkeypatch.setattr(mlx_cache_server.engine.batch, "MixedGenerator", broken)
+    monkeypatch.setattr(mlx_cache_server.engine.running, "MixedGenerator", broken)
     sinks: list[list[Any]] = [[] for _ in QUESTIONS]
     for q, sink in zip(QUESTIONS, sinks, strict=True):
         engine.submit(prompt(engine.tokenizer, q), GREEDY, sink.append)

@@ -218,17 +218,17 @@ def test_a_long_prompt_beside_short_streams_decodes_in_a_batch_of_its_own(tiny_m
 def test_a_prompt_with_nothing_cached_taken_out_for_its_last_chunk_keeps_its_free_slots(
     tiny_model_dir, monkeypatch
 ):
-    import mlx_cache_server.engine.batch as batch_module
+    import mlx_cache_server.engine.prompts as prompts  # where the batch takes a prompt out
 
     taken: list[tuple[int, int]] = []  # (slots in its buffer, tokens held) per layer 0
-    take_out = batch_module.Batch._take_out
+    take_out = prompts.PromptSteps.take_out
 
     def recorded(self: Any, request: Any) -> Any:
         cache, tokens = take_out(self, request)
         taken.append((cache[0].keys.shape[2], cache[0].offset))
         return cache, tokens
 
-    monkeypatch.setattr(batch_module.Batch, "_take_out", recorded)
+    monkeypatch.setattr(prompts.PromptSteps, "take_out", recorded)
     long: list[Any] = []
     engine, tokens, _ = running_stream(tiny_model_dir)
     try:
@@ -248,6 +248,7 @@ def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
     tiny_model_dir, how, monkeypatch
 ):
     import mlx_cache_server.engine.batch as batch_module
+    import mlx_cache_server.engine.running as running  # where the batch places a sequence
 
     placed: list[int] = []
 
@@ -267,11 +268,11 @@ def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
     batches: list[Any] = []
     new_batch = batch_module.Batch.__init__
 
-    def recorded(self: Any, engine: Any) -> None:
-        new_batch(self, engine)
+    def recorded(self: Any, *args: Any) -> None:
+        new_batch(self, *args)
         batches.append(self)
 
-    monkeypatch.setattr(batch_module, "place", place)
+    monkeypatch.setattr(running, "place", place)
     monkeypatch.setattr(exits, "store", storing)
     monkeypatch.setattr(batch_module.Batch, "__init__", recorded)
     engine = build_engine(Settings(decode_gap=1e-9), str(tiny_model_dir))
@@ -308,7 +309,7 @@ def test_a_sequence_on_the_side_that_is_cancelled_or_fails_ends_alone(
         engine.submit(long_prompt, SamplingParams(max_tokens=1), again.append)
         wait_until(lambda: ended(again))
         assert not any(ended(s) for s in streams)
-        assert batches[-1].side.prompt_cache_nbytes == 0  # it left the side batch too
+        assert batches[-1].running.side.prompt_cache_nbytes == 0  # it left the side batch too
     finally:
         engine.stop()
     assert placed.count(placement.SIDE) == 1  # the long prompt, and only it

@@ -4,7 +4,7 @@
 filled ourselves. If an mlx-lm release changes what its batch cache keeps, the
 batch built here must stop passing for the one mlx-lm builds: these tests say so.
 The engine's side batch starts `BatchGenerator`'s uid counter where the main
-batch's uids never reach (`mlx_cache_server.engine.batch.SIDE_UIDS`).
+batch's uids never reach (`mlx_cache_server.engine.running.SIDE_UIDS`).
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def test_a_batch_built_over_our_buffers_is_the_batch_mlx_lm_builds():
 def test_a_generator_numbers_its_sequences_from_the_counter_the_side_batch_sets():
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_cache_server.engine.batch import SIDE_UIDS
+    from mlx_cache_server.engine.running import SIDE_UIDS
 
-    # engine/batch.py starts its side batch's counter at SIDE_UIDS, so that one dict
+    # engine/running.py starts its side batch's counter at SIDE_UIDS, so that one dict
     # keyed by uid holds both batches' sequences.
     side = BatchGenerator(model=None)
     side._uid_count = SIDE_UIDS
