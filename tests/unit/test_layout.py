@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mlx_cache_server",)
 LIBRARY = "mlx_cache_server.prompt_cache"
 MAX_MODULE = 450
-# The packages held to "a class owns what it uses" (no mixins): widened as packages follow.
+# The packages held to "a class owns what it uses" (no mixins): all of them.
 COMPOSED = ("mlx_cache_server",)
 
 
