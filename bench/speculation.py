@@ -242,6 +242,7 @@ def main() -> None:
     ap.add_argument("--pass-rows", default="1,2,4,8", help="--pass-cost's numbers of rows")
     ap.add_argument("--sharegpt", type=int, default=0, help="ShareGPT questions to add")
     ap.add_argument("--servers", help="a comma-separated subset of the servers to run")
+    ap.add_argument("--ours-at", help="also run our server from this checkout (ours-before)")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary")
     ap.add_argument("--llama-gguf", help="the default model as an F32 gguf")
     ap.add_argument("--llama-spec", default="ngram-simple,ngram-map-k,ngram-mod")
@@ -264,6 +265,9 @@ def main() -> None:
         said = conversations(args.sharegpt, 1, 300)
         shared = [[{"role": "user", "content": turns[0]}] for turns in said]
     servers: dict = {"ours": [], "ours-plain": ["--no-speculation"], "peer": None}
+    kinds = {"ours-before": f"ours@{args.ours_at}"} if args.ours_at else {}
+    if args.ours_at:
+        servers["ours-before"] = []
     if args.llama_server:
         servers |= {f"llama:{spec}": spec for spec in args.llama_spec.split(",")}
     if args.servers:
@@ -274,7 +278,7 @@ def main() -> None:
             server = llama(args.llama_server, args.llama_gguf, extra, args.llama_threads)
             kind, served = "llama", "bench"
         else:
-            kind = "peer" if extra is None else "ours"
+            kind = kinds.get(name) or ("peer" if extra is None else "ours")
             server = running(kind, model, 16, 1 << 30, extra or ())
             served = model if kind == "peer" else "bench"
         with server as started:
