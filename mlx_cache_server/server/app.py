@@ -151,9 +151,9 @@ def _serve_docs(app: FastAPI) -> None:
 def single_model(engine: Engine, settings: Settings, metrics: Metrics) -> ModelPool:
     """A pool of the one engine given, pinned: a test's, or a program's that built its own."""
     spec = ModelSpec(engine.model_id, None, tuple(settings.model_aliases), pinned=True)
-    loader = ModelLoader(settings, metrics, lambda s: pool.names(s))
-    pool: ModelPool[ServedModel] = ModelPool([spec], loader)
-    pool.adopt(spec, serve_engine(spec, engine, settings, metrics, pool.names(spec)))
+    loader = ModelLoader(settings, metrics, lambda s: pool.naming(s))
+    pool: ModelPool[ServedModel] = ModelPool([spec], loader, answer_any=settings.answer_any_model)
+    pool.adopt(spec, serve_engine(spec, engine, settings, metrics, pool.naming(spec)))
     return pool
 
 

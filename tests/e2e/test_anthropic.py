@@ -131,7 +131,9 @@ def test_a_tool_use_streams_as_input_json_deltas(tools_live):
 
 
 def test_claude_names_keys_and_errors_as_agents_send_them(tiny_model_dir):
-    with serving(str(tiny_model_dir), served_model_name="tiny", api_keys=["k"]) as live:
+    with serving(
+        str(tiny_model_dir), served_model_name="tiny", api_keys=["k"], answer_any_model="off"
+    ) as live:
         r = client_of(live, api_key="k").messages.create(  # sent as x-api-key
             model="claude-opus-4-7", messages=HELLO, max_tokens=4
         )
@@ -280,7 +282,10 @@ def test_pings_keep_a_slow_stream_alive(tools_live, monkeypatch):
 def test_configured_aliases_name_the_served_model_in_every_api(tiny_model_dir):
     from openai import OpenAI
 
-    with serving(str(tiny_model_dir), served_model_name="tiny", model_aliases=["gpt-4o"]) as live:
+    with serving(
+        str(tiny_model_dir), served_model_name="tiny", model_aliases=["gpt-4o"],
+        answer_any_model="off",
+    ) as live:  # fmt: skip
         chat = OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
         r = chat.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=2)
         assert r.model == "gpt-4o"
