@@ -130,6 +130,10 @@ class ModelPool(Generic[S]):
             raise UnknownModel(name)
         return spec
 
+    def knows(self, name: str) -> bool:
+        """Whether a model has the name (its id, folder name, an alias, or `default`)."""
+        return name in self._names
+
     def names(self, spec: ModelSpec) -> set[str]:
         return {n for n, s in self._names.items() if s is spec}
 
@@ -144,7 +148,7 @@ class ModelPool(Generic[S]):
         `default`, if names no model has are answered by the default model (`answer_any`,
         or `always`: the caller's API does so whatever the setting), logged once per name;
         else itself, which `spec` refuses."""
-        if name in self._names or not (self.answer_any or always):
+        if self.knows(name) or not (self.answer_any or always):
             return name
         if name not in self._answered:
             if len(self._answered) >= ANSWERED_LOGGED:

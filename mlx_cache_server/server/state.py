@@ -61,6 +61,8 @@ class ServerState:
         means the default model where the server answers such names (`--answer-any-model`;
         `always`: the request's API does so whatever the setting), unless the default is
         known to be of the other kind (it could not answer), when the name stays unknown."""
+        if self.models.knows(name):
+            return name
         default_kind = self.models.loader.kind(self.models.default)
         if default_kind is not None and default_kind != kind:
             return name

@@ -65,7 +65,7 @@ def test_chat_completions_give_the_call_as_far_as_it_came(live, limit):
 def test_messages_give_a_tool_use_block_with_what_parsed(live):
     client = anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0)
     # 55: the call cut after its city, before its days are whole.
-    kwargs = dict(model="tiny", messages=ASK, max_tokens=55,
+    kwargs = dict(model="tiny", messages=ASK, max_tokens=55, extra_body={"temperature": 0},
                   tools=[{"name": "get_weather", "description": WEATHER["description"],
                           "input_schema": WEATHER_PARAMETERS}],
                   tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
