@@ -114,7 +114,11 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 codes.append("403")
             if path in _GENERATION:
                 codes += ["404", "408", "429", "503"]
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                # Each event: its data (a JSON text; OpenAI's `[DONE]`), and its type
+                # where the API names it (Anthropic's and the Responses API's).
+                text = {"type": "string"}
+                event = {"type": "object", "properties": {"event": text, "data": text}}
+                responses["200"]["content"]["text/event-stream"] = {"schema": event}
             elif path == _EMBEDDINGS:
                 codes += ["404", "429", "503"]
             elif "{" in path or path.startswith("/v1/cache") or path == "/v1/messages/count_tokens":
