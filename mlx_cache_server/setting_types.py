@@ -1,11 +1,11 @@
 """The forms a setting's value takes, and the flags that set it from the command line.
 
 A setting in `Settings` is annotated with one of the forms below (`Count`, `Real`, `Size`,
-`Switch`, `Text`, `Names`, `Table`, `Tables`) and with its `Flag`s, if the command line sets
-it. Each form reads a value from any source (the TOML file's typed values, an environment
-variable's text, a flag's text or parsed number) as the server has always read it: a form's
-validator runs before pydantic's own check, which then only confirms the type. A validator
-raises ValueError alone: pydantic passes other exceptions through unnamed.
+`Switch`, `AutoSwitch`, `Text`, `Names`, `Table`, `Tables`) and with its `Flag`s, if the
+command line sets it. Each form reads a value from any source (the TOML file's typed values,
+an environment variable's text, a flag's text or parsed number) as the server has always
+read it: a form's validator runs before pydantic's own check, which then only confirms the
+type. A validator raises ValueError alone: pydantic passes other exceptions through unnamed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import wraps
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator
 
@@ -100,6 +100,13 @@ def _switch(value: Any) -> bool:
 
 
 @_named_errors
+@_named_errors
+def _auto_switch(value: Any) -> str:
+    # Any case, as a switch's text is read; the type then checks it is one of the three.
+    return str(value).strip().lower()
+
+
+@_named_errors
 def _names(value: Any) -> list[str]:
     # A list, or text separated by commas (an environment variable's); blanks dropped.
     items = value.split(",") if isinstance(value, str) else list(value)
@@ -131,6 +138,8 @@ Count = Annotated[int, BeforeValidator(_number(int)), Form(int)]
 Real = Annotated[float, BeforeValidator(_number(float)), Form(float, show="{:g}".format)]
 Size = Annotated[int, BeforeValidator(parse_size), Form(show=size_text)]  # bytes
 Switch = Annotated[bool, BeforeValidator(_switch), Form(show=_switch_text)]
+# A switch whose default the server decides from what it serves ("auto").
+AutoSwitch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_auto_switch), Form()]
 Text = Annotated[str, BeforeValidator(str), Form()]
 Names = Annotated[list[str], BeforeValidator(_names), Form()]
 Table = Annotated[dict[str, Any], BeforeValidator(_table), Form()]

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .setting_types import Count, Flag, Names, Real, Size, Switch, Table, Tables, Text
+from .setting_types import AutoSwitch, Count, Flag, Names, Real, Size, Switch, Table, Tables, Text
 from .setting_types import parse_size as parse_size  # where callers have always found it
 
 ENV_PREFIX = "MLX_CACHE_SERVER_"
@@ -45,6 +45,12 @@ class Settings(BaseModel):
         "the id clients use for the first model (unset: its folder's name or hub id)"))
     model_aliases: Annotated[Names, Flag("--model-alias")] = Field([], description=(
         "more names clients may send for the first model, e.g. gpt-4o"))
+    # Agents given only a base URL ask for their own default model (gpt-*, claude-*).
+    answer_any_model: Annotated[AutoSwitch, Flag()] = Field("auto", description=(
+        "answer a model name no model here has with the default model, logged once per "
+        "name (the reply names the model asked for; GET /v1/models lists the real ids): "
+        "auto is on when one model is served, off when several are; off: such a name is a "
+        "404, model_not_found"))
     models: Tables = Field([], description=(
         "more models: the settings file's [[models]] tables (configs/models.example.toml)"))
     model_ttl: Annotated[Real | None, Flag()] = Field(None, description=(

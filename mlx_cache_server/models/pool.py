@@ -44,9 +44,12 @@ from .lifecycle import (
 )
 from .residency import expired
 from .roster import Loaded, Roster
-from .specs import ModelSpec
+from .specs import ModelNames, ModelSpec
 
 log = logging.getLogger("mlx_cache_server.models")
+# The names no model has that were answered by the default model, logged once each: past
+# this many the record starts afresh (clients may send any number of names).
+ANSWERED_LOGGED = 1024
 
 __all__ = [
     "FetchUnavailable", "Loaded", "Loader", "ModelBusy", "ModelPool", "ModelState",
@@ -78,7 +81,10 @@ class ModelPool(Generic[S]):
         budget: int | None = None,
         load_timeout: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        answer_any: Literal["auto", "on", "off"] = "off",
     ) -> None:
+        """`answer_any`: whether a name no model has means the default model (`answering`);
+        "auto": when it is the only model."""
         if not specs:
             raise ValueError("a server needs at least one model")
         self.specs = list(specs)
@@ -87,6 +93,8 @@ class ModelPool(Generic[S]):
         for spec in specs:
             self._names.update(dict.fromkeys(spec.names(), spec))
         self.roster: Roster[S] = Roster(loader.requests)
+        self.answer_any = answer_any == "on" or (answer_any == "auto" and len(specs) == 1)
+        self._answered: set[str] = set()  # names no model has, answered and logged
         # Set once the server ends the requests still running (its shutdown grace over):
         # a stream still waiting for a load stops waiting (`server.loading`).
         self.stopping = threading.Event()
@@ -122,8 +130,35 @@ class ModelPool(Generic[S]):
             raise UnknownModel(name)
         return spec
 
+    def knows(self, name: str) -> bool:
+        """Whether a model has the name (its id, folder name, an alias, or `default`)."""
+        return name in self._names
+
     def names(self, spec: ModelSpec) -> set[str]:
         return {n for n, s in self._names.items() if s is spec}
+
+    def naming(self, spec: ModelSpec) -> ModelNames:
+        """The names a request may use for the model: `names`, and for the default model
+        when names no model has are answered (`answer_any`), those too."""
+        answers = self.answer_any and spec is self.default
+        return ModelNames(frozenset(self.names(spec)), frozenset(self._names) if answers else None)
+
+    def answering(self, name: str, always: bool = False) -> str:
+        """The name to look the model `name` means up by: itself, if a model has it;
+        `default`, if names no model has are answered by the default model (`answer_any`,
+        or `always`: the caller's API does so whatever the setting), logged once per name;
+        else itself, which `spec` refuses."""
+        if self.knows(name) or not (self.answer_any or always):
+            return name
+        if name not in self._answered:
+            if len(self._answered) >= ANSWERED_LOGGED:
+                self._answered.clear()
+            self._answered.add(name)
+            log.info(
+                "model %r is not served here: the default model, %s, answers it",
+                name, self.default.id,
+            )  # fmt: skip
+        return "default"
 
     def loaded(self) -> list[Loaded[S]]:
         return list(self.roster.loaded.values())

@@ -10,6 +10,7 @@ top (`ModelSpec.settings`), so one code path builds an engine for any of them.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,19 @@ class ModelSpec:
         """Every name a request may use for this model."""
         names = {self.id, Path(self.id).name, *self.aliases}
         return {n for n in names if n}
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The names a request may use for one model (`name in names`): its own (`ModelSpec.names`,
+    and `default` for the default model) and, where this is the model that answers names no
+    model has (`--answer-any-model`), every name outside `taken`, the names the models have."""
+
+    own: Set[str]
+    taken: Set[str] | None = None  # None: this model answers to its own names alone
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.own or (self.taken is not None and name not in self.taken)
 
 
 def model_specs(settings: Settings, default_name: str) -> list[ModelSpec]:

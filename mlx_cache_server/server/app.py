@@ -114,7 +114,11 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 codes.append("403")
             if path in _GENERATION:
                 codes += ["404", "408", "429", "503"]
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                # Each event: its data (a JSON text; OpenAI's `[DONE]`), and its type
+                # where the API names it (Anthropic's and the Responses API's).
+                text = {"type": "string"}
+                event = {"type": "object", "properties": {"event": text, "data": text}}
+                responses["200"]["content"]["text/event-stream"] = {"schema": event}
             elif path == _EMBEDDINGS:
                 codes += ["404", "429", "503"]
             elif "{" in path or path.startswith("/v1/cache") or path == "/v1/messages/count_tokens":
@@ -151,9 +155,9 @@ def _serve_docs(app: FastAPI) -> None:
 def single_model(engine: Engine, settings: Settings, metrics: Metrics) -> ModelPool:
     """A pool of the one engine given, pinned: a test's, or a program's that built its own."""
     spec = ModelSpec(engine.model_id, None, tuple(settings.model_aliases), pinned=True)
-    loader = ModelLoader(settings, metrics, lambda s: pool.names(s))
-    pool: ModelPool[ServedModel] = ModelPool([spec], loader)
-    pool.adopt(spec, serve_engine(spec, engine, settings, metrics, pool.names(spec)))
+    loader = ModelLoader(settings, metrics, lambda s: pool.naming(s))
+    pool: ModelPool[ServedModel] = ModelPool([spec], loader, answer_any=settings.answer_any_model)
+    pool.adopt(spec, serve_engine(spec, engine, settings, metrics, pool.naming(spec)))
     return pool
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from ..engine import Engine
 from ..models.embedding import Embedder, Pooling, sentence_transformers_pooling
 from ..models.pool import FetchUnavailable, ModelPool
-from ..models.specs import ModelSpec
+from ..models.specs import ModelNames, ModelSpec
 from ..runtime import memory
 from ..serving.anthropic import MessagesServing
 from ..serving.chat import ChatCompletionsServing
@@ -51,7 +51,7 @@ class ServedModel:
 
 
 def serve_engine(
-    spec: ModelSpec, engine: Engine, settings: Settings, metrics: Metrics, names: set[str]
+    spec: ModelSpec, engine: Engine, settings: Settings, metrics: Metrics, names: ModelNames
 ) -> ServedModel:
     """One serving class per API surface over the engine; `names`: what requests may send."""
     defaults = sampling_defaults(settings, engine.generation_config)
@@ -84,7 +84,7 @@ class ModelLoader:
         self,
         settings: Settings,
         metrics: Metrics,
-        names: Callable[[ModelSpec], set[str]],
+        names: Callable[[ModelSpec], ModelNames],
         group: Any = None,
     ) -> None:
         """`group`: the processes of a sharded server (`sharded`), this one rank 0."""
@@ -253,13 +253,14 @@ def model_pool(
     group: Any = None,
 ) -> ModelPool[ServedModel]:
     """The pool of the configured models, loaded by `ModelLoader`, none loaded yet."""
-    loader = ModelLoader(settings, metrics, lambda spec: pool.names(spec), group)
+    loader = ModelLoader(settings, metrics, lambda spec: pool.naming(spec), group)
     pool = ModelPool(
         specs,
         loader,
         budget=settings.memory_budget,
         load_timeout=settings.model_load_timeout,
         clock=clock,
+        answer_any=settings.answer_any_model,
     )
     return pool
 

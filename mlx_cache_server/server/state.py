@@ -37,8 +37,10 @@ class ServerState:
 
         `kind`: what the route needs, a model that generates text or one that embeds; the
         other kind is a 400, before anything is loaded when its files are here, else once
-        they are (a hub id's kind is known only when it is downloaded).
+        they are (a hub id's kind is known only when it is downloaded). A name no model
+        has may mean the default model (`answering`).
         """
+        name = self.answering(name, kind)
         with pool_errors(self.models):
             spec = self.models.spec(name)
         known = self.models.loader.kind(spec)
@@ -51,6 +53,20 @@ class ServerState:
                         400, _wrong_kind(spec.id, kind), param="model", code="wrong_model_type"
                     )
                 yield served
+
+    def answering(
+        self, name: str, kind: Literal["chat", "embedding"] = "chat", always: bool = False
+    ) -> str:
+        """The pool's name for the model a request's `name` means: a name no model has
+        means the default model where the server answers such names (`--answer-any-model`;
+        `always`: the request's API does so whatever the setting), unless the default is
+        known to be of the other kind (it could not answer), when the name stays unknown."""
+        if self.models.knows(name):
+            return name
+        default_kind = self.models.loader.kind(self.models.default)
+        if default_kind is not None and default_kind != kind:
+            return name
+        return self.models.answering(name, always)
 
 
 def _wrong_kind(model_id: str, wanted: str) -> str:

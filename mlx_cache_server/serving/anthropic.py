@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import pydantic_core
 from fastapi import Request
 from pydantic import Field
 
@@ -303,10 +304,15 @@ class MessagesServing:
 
 
 def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as its tool_use block's `input`: of a call cut off by max_tokens,
+    what of them parses, as the `anthropic` SDK reads a streamed block's partial JSON."""
     try:
         value = json.loads(arguments or "{}")
     except ValueError:
-        return {}
+        try:  # pydantic's own JSON reader; allow_partial since pydantic 2.7
+            value = pydantic_core.from_json(arguments, allow_partial=True)
+        except (ValueError, TypeError):
+            return {}
     return value if isinstance(value, dict) else {}
 
 
@@ -385,6 +391,7 @@ class _Blocks:
     def __init__(self) -> None:
         # The open block's kind: "thinking", "text", "tool_use" or None.
         self.index, self.open = -1, None
+        self.json = True  # the open tool_use block's arguments are JSON (else not streamed)
 
     def add(self, text: str, calls: list[ToolCallDelta], thought: str = "") -> list[str]:
         out = []
@@ -408,7 +415,11 @@ class _Blocks:
                 block = {"type": "tool_use", "id": _tool_use_id(call.id), "name": name, "input": {}}
                 out += self._start(block, "tool_use")
             arguments = call.function.arguments if call.function else None
-            if arguments:
+            if call.id is not None:
+                # A call cut off in markup other than JSON has its markup as arguments:
+                # no partial JSON, which clients parse as it comes; its input stays {}.
+                self.json = not arguments or arguments.lstrip().startswith("{")
+            if arguments and self.json:
                 delta = {"type": "input_json_delta", "partial_json": arguments}
                 out.append(_sse("content_block_delta", {"index": self.index, "delta": delta}))
         return out

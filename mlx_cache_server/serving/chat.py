@@ -59,6 +59,7 @@ from .tools import (
     ToolCallText,
     ToolPlan,
     compiles_grammar,
+    cut_off_call,
     forced_call,
     plan_tools,
     tool_call,
@@ -233,6 +234,7 @@ class Reply:
         self.text = ToolCallText(engine, req.tools or [], prompted) if shown else None
         self.keep = tools.mode == "auto"
         self.read = tools.read  # a forced call in markup other than JSON: read when whole
+        self.names = tools.names  # the tools a forced call may be of
         self.forced = ""  # a forced call's JSON so far: {"name":"...","arguments":{...}}
         self.call: ToolCall | None = None  # the forced call, once its name is known
         self.sent = 0  # how much of `forced` has gone out as argument fragments
@@ -278,7 +280,7 @@ class Reply:
     def whole_all(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """`whole`, with the reasoning first (None: the reply had no thinking)."""
         if self.harmony is not None:
-            return self.harmony.whole(text)
+            return self.harmony.whole(text, keep_cut=self.mode == "forced")
         reasoning = None
         if self.thinking is not None:
             reasoning, text = split_whole(text, self.thinking.tags, self.thinking.thought)
@@ -298,21 +300,20 @@ class Reply:
 
     def _finish_answer(self) -> tuple[str, list[ToolCallDelta]]:
         if self.mode == "forced" and self.read is not None:
-            calls = self.read(self.forced)
-            return ("" if calls else self.forced), self._whole(calls)
+            calls = self.read(self.forced) or [cut_off_call(self.forced, self.names, markup=True)]
+            return "", self._whole(calls)
         if self.mode == "forced":
-            if not forced_call(self.forced):  # cut off (max_tokens): what there is, as text
-                return ("" if self.call else self.forced), []
-            return "", self._forced("")
+            return "", self._forced("") if forced_call(self.forced) else self._cut_off()
         if self.text is None:
             return "", []
         content, calls = self.text.finish()
         return content, self._whole(calls if self.keep else [])
 
     def _whole_answer(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.mode == "forced":
+        if self.mode == "forced":  # one call, whole or cut off (`cut_off_call`)
             calls = self.read(text) if self.read is not None else forced_call(text)
-            return (None if calls else text), calls
+            markup = self.read is not None
+            return None, calls or [cut_off_call(text, self.names, markup=markup)]
         if self.text is None:
             return text, []
         content, calls = self.text.feed(text)
@@ -341,6 +342,15 @@ class Reply:
                 out.append(ToolCallDelta(index=0, function=FunctionCallDelta(arguments=fragment)))
             self.sent = stop
         return out
+
+    def _cut_off(self) -> list[ToolCallDelta]:
+        """A forced call cut off (max_tokens), as far as it came, never as text: the rest of
+        its arguments (their last character too, held back as the call's closing brace it
+        was not), or, its name not out yet, the whole call now."""
+        if self.call is None:
+            return self._whole([cut_off_call(self.forced, self.names)])
+        rest, self.sent = self.forced[self.sent :], len(self.forced)
+        return [ToolCallDelta(index=0, function=FunctionCallDelta(arguments=rest))] if rest else []
 
     def _whole(self, calls: list[ToolCall]) -> list[ToolCallDelta]:
         out = []

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Container, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,7 +34,9 @@ class Surface:
     engine: Engine
     settings: Settings
     metrics: Metrics
-    aliases: set[str]  # names a request may use for the served model
+    # Names a request may use for the served model (`ModelNames`: with `--answer-any-model`
+    # the default model's take any name no model has).
+    aliases: Container[str]
     defaults: SamplingDefaults  # sampling for what a request leaves out
 
 

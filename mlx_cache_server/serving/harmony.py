@@ -122,15 +122,18 @@ class HarmonySplit:
             out.content += held  # after a message's end: the model's words, kept
         return out.reasoning, out.content, out.calls
 
-    def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+    def whole(
+        self, text: str, keep_cut: bool = False
+    ) -> tuple[str | None, str | None, list[ToolCall]]:
         """A whole reply's reasoning (None: it had no analysis), content (None: only calls)
-        and calls; a call whose arguments are no JSON object (cut off) is content, as text."""
+        and calls; a call whose arguments are no JSON object (cut off) is content, as text,
+        unless `keep_cut` (a forced call: a call cut off is still one, as streamed)."""
         reasoning, content, _ = self.feed(text)
         more_reasoning, more_content, _ = self.finish()
         content += more_content
         calls = []
         for call in self.calls:
-            if _json_object(call.function.arguments):
+            if keep_cut or _json_object(call.function.arguments):
                 calls.append(call)
             else:
                 content += call.function.arguments

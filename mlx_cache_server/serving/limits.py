@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Container
 from typing import Any
 
 from pydantic import BaseModel
@@ -111,7 +112,7 @@ def text_chars(*values: Any, stop_after: int | None = None) -> int:
     return total
 
 
-def check_model(name: str, engine: Engine, aliases: set[str]) -> None:
+def check_model(name: str, engine: Engine, aliases: Container[str]) -> None:
     if name not in aliases:
         raise APIError(
             404,

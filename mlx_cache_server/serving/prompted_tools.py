@@ -3,9 +3,10 @@
 Agents send tools with `tool_choice: auto` whatever the model; refusing them
 (as a template without tools once made us do) fails every turn. So such a
 model is given what a tool-calling template would give it, in Hermes' words and
-markup, which most instruction-tuned models have seen: the tools, as JSON, in
-the system prompt; calls as `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`;
-results in user turns, as `<tool_response>...</tool_response>`.
+markup, which most instruction-tuned models have seen: the tools, as JSON, at the
+start of the system prompt; calls as
+`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`; results in user turns, as
+`<tool_response>...</tool_response>`.
 
 With `auto`, the reply runs under a lazy grammar: free text, until the model
 writes `<tool_call>`; from there, a call of one of the tools whose arguments
@@ -14,7 +15,9 @@ A forced call is the same markup, its opening marker written into the prompt.
 
 History renders calls and results exactly as generated (compact JSON), so a
 turn's prompt begins with the tokens of the turn before it, and the cache
-serves them.
+serves them. The tools come before the system text, as Anthropic's own cache
+orders them: an agent's system text names its working directory, and a session
+in another folder then still shares the tools' thousands of tokens with the last.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def parse(text: str) -> dict[str, Any]:
 
 def history(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages as a template without tools can render them: the tools section at
-    the end of the (first) system turn, calls as markup in assistant turns, results as
+    the start of the (first) system turn (so that a change in the system text keeps the
+    tools' KV in the cache), calls as markup in assistant turns, results as
     user turns; consecutive user turns joined, as templates that insist on alternating
     roles need."""
     out: list[dict[str, Any]] = []
@@ -90,7 +94,7 @@ def history(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list
     if tools:
         section = tools_section(tools)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{section}"}
+            out[0] = {**out[0], "content": f"{section}\n\n{out[0]['content']}"}
         else:
             out.insert(0, {"role": "system", "content": section})
     return out

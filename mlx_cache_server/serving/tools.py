@@ -11,7 +11,9 @@ them (`prompted_tools`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,7 @@ class ToolPlan:
     form: call_markup.CallFormat | None = None  # forced: the model's own call markup
     # forced, in markup other than JSON: the whole call's text -> the call (else JSON)
     read: Callable[[str], list[ToolCall]] | None = None
+    names: tuple[str, ...] = ()  # forced: the tools the call may be of
 
     @property
     def lazy(self) -> bool:
@@ -94,8 +97,9 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
         raise APIError(
             400, "A forced tool call and response_format cannot be combined.", param="tool_choice"
         )
+    names = tuple(t["function"]["name"] for t in chosen)
     if harmony.is_harmony(engine.tokenizer):  # the call in harmony's markup, as written back
-        return ToolPlan("forced", shown, harmony.forced_call_grammar(chosen))
+        return ToolPlan("forced", shown, harmony.forced_call_grammar(chosen), names=names)
     form = call_formats.call_format(engine.tokenizer) if templated else None
     if form is not None and form.supports(chosen):  # the model's own markup, written back
         marker = call_markup.token_marker(engine.tokenizer)
@@ -105,12 +109,13 @@ def plan_tools(req: ChatCompletionRequest, engine: Engine) -> ToolPlan:
             if isinstance(form, call_markup.JsonBetweenMarkers)
             else _reader(form, engine, tools)
         )
-        return ToolPlan("forced", shown, grammar, prefix=form.prefix, form=form, read=read)
+        return ToolPlan("forced", shown, grammar, prefix=form.prefix, form=form, read=read,
+                        names=names)  # fmt: skip
     if templated:
-        return ToolPlan("forced", shown, forced_call_grammar(chosen))
+        return ToolPlan("forced", shown, forced_call_grammar(chosen), names=names)
     grammar = forced_call_grammar(chosen)
     return ToolPlan("forced", [], grammar, templated=False, prefix=prompted_tools.PREFIX,
-                    prompted=tools)  # fmt: skip
+                    prompted=tools, names=names)  # fmt: skip
 
 
 def compiles_grammar(req: ChatCompletionRequest, engine: Engine) -> bool:
@@ -171,12 +176,42 @@ def tool_call(name: str, arguments: Any, model_id: Any = None) -> ToolCall:
 
 
 def forced_call(text: str) -> list[ToolCall]:
-    """The call a forced reply is (the grammar made it valid JSON; a cut-off one is text)."""
+    """The call a forced reply is (the grammar made it valid JSON); [] if it was cut off
+    (`cut_off_call` reads that one)."""
     try:
         call = json.loads(text)
     except ValueError:
         return []
     return [tool_call(call["name"], call["arguments"])]
+
+
+# How far a forced call in JSON got: its name (whole when its closing quote came), then the
+# arguments' key; the grammar makes it compact, name first.
+_PARTIAL_HEAD = re.compile(r'\{"name": ?"((?:[^"\\]|\\.)*)(?:(")(, ?"arguments": ?)?)?')
+
+
+def cut_off_call(text: str, names: tuple[str, ...], markup: bool = False) -> ToolCall:
+    """A forced call cut off by max_tokens, as far as it came, so that the client gets it as
+    a call (with finish_reason "length" saying it is incomplete), never as the reply's text:
+    its name where it was written whole, else the one tool it could still become (else what
+    there is of it); its arguments the text generated after their key. In markup other than
+    JSON (`markup`), the arguments are the markup as generated and the name the longest
+    tool's name in it."""
+    if markup:
+        written = [n for n in names if n in text]
+        name = max(written, key=len) if written else _only(names, "")
+        return tool_call(name, text)
+    head = _PARTIAL_HEAD.match(text)
+    if head is None:
+        return tool_call(_only(names, ""), "")
+    if head[2] is not None:  # the name whole; the arguments, what came of them
+        with contextlib.suppress(ValueError):
+            return tool_call(json.loads(f'"{head[1]}"'), text[head.end() :] if head[3] else "")
+    return tool_call(_only(tuple(n for n in names if n.startswith(head[1])), head[1]), "")
+
+
+def _only(names: tuple[str, ...], otherwise: str) -> str:
+    return names[0] if len(names) == 1 else otherwise
 
 
 class ToolCallText:

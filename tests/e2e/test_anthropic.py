@@ -131,7 +131,9 @@ def test_a_tool_use_streams_as_input_json_deltas(tools_live):
 
 
 def test_claude_names_keys_and_errors_as_agents_send_them(tiny_model_dir):
-    with serving(str(tiny_model_dir), served_model_name="tiny", api_keys=["k"]) as live:
+    with serving(
+        str(tiny_model_dir), served_model_name="tiny", api_keys=["k"], answer_any_model="off"
+    ) as live:
         r = client_of(live, api_key="k").messages.create(  # sent as x-api-key
             model="claude-opus-4-7", messages=HELLO, max_tokens=4
         )
@@ -158,17 +160,21 @@ def test_claude_names_keys_and_errors_as_agents_send_them(tiny_model_dir):
             )
 
 
-def test_a_forced_call_cut_off_by_max_tokens_is_not_a_tool_use(tools_live):
+def test_a_forced_call_cut_off_by_max_tokens_is_a_tool_use_with_what_parsed(tools_live):
+    """Issue 59: the call cut off is still the call (stop_reason max_tokens says it is not
+    one to run), as on every API; it was no block at all, while the stream sent one."""
     client = client_of(tools_live)
     kwargs = dict(
         model="tiny", messages=HELLO, tools=[WEATHER], tool_choice={"type": "any"},
         max_tokens=5, extra_body={"temperature": 0},
     )  # fmt: skip
     r = client.messages.create(**kwargs)
-    assert r.stop_reason == "max_tokens" and not [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "max_tokens"
+    assert [(b.type, b.name, b.input) for b in r.content] == [("tool_use", "get_weather", {})]
     with client.messages.stream(**kwargs) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "max_tokens"
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", "get_weather", {})]
 
 
 @pytest.mark.parametrize(
@@ -280,7 +286,10 @@ def test_pings_keep_a_slow_stream_alive(tools_live, monkeypatch):
 def test_configured_aliases_name_the_served_model_in_every_api(tiny_model_dir):
     from openai import OpenAI
 
-    with serving(str(tiny_model_dir), served_model_name="tiny", model_aliases=["gpt-4o"]) as live:
+    with serving(
+        str(tiny_model_dir), served_model_name="tiny", model_aliases=["gpt-4o"],
+        answer_any_model="off",
+    ) as live:  # fmt: skip
         chat = OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
         r = chat.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=2)
         assert r.model == "gpt-4o"

@@ -163,3 +163,27 @@ def test_a_hub_model_not_downloaded_yet_is_fetched_to_learn_its_kind(
             c.embeddings.create(model="hub-chat", input="hi")  # a 400 once known to chat
         types = {m.id: m.model_extra["type"] for m in c.models.list().data}
         assert types == {"hub-embed": "embedding", "hub-chat": "chat"}
+
+
+@pytest.mark.parametrize("default", ["embed", "chat"])
+def test_a_name_no_model_has_is_answered_where_the_default_model_can(
+    embedding_dir, tiny_model_dir, default
+):
+    """`--answer-any-model on`: the default model answers names no model has on the
+    embeddings API too, where it is an embedding model; a chat model cannot, and the name
+    stays unknown there (and the other way round on chat)."""
+    specs = [ModelSpec("embed", str(embedding_dir)), ModelSpec("chat", str(tiny_model_dir))]
+    specs = specs if default == "embed" else specs[::-1]
+    with serving_models(specs, answer_any_model="on") as server:
+        c = client(server.url)
+        chat = [{"role": "user", "content": "hi"}]
+        if default == "embed":
+            r = c.embeddings.create(model="text-embedding-3-small", input="hi")
+            assert r.model == "text-embedding-3-small" and len(r.data[0].embedding) == 64
+            with pytest.raises(openai.NotFoundError):
+                c.chat.completions.create(model="gpt-5", messages=chat, max_tokens=2)
+        else:
+            r = c.chat.completions.create(model="gpt-5", messages=chat, max_tokens=2)
+            assert r.model == "gpt-5"
+            with pytest.raises(openai.NotFoundError):
+                c.embeddings.create(model="text-embedding-3-small", input="hi")

@@ -325,3 +325,31 @@ def test_constrained_and_free_requests_admitted_together_each_get_their_own(
     assert together == alone
     for name in ("array", "enum and integer"):
         check(name, json.loads(together[name]))
+
+
+def test_a_change_in_the_system_text_keeps_the_tools_in_the_cache(server, client):
+    """The server's own tool protocol writes the tools before the system text: an agent's
+    system text names its working directory, and a session in another folder still
+    reuses the tools' KV (issue 59: 565 of Claude Code's 11,875 tokens, with them after)."""
+    from mlx_cache_server.serving.prompted_tools import tools_section
+
+    tools = [
+        {"type": "function", "function": {
+            "name": f"tool_{i}", "description": f"Tool number {i}: does thing {i} to a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        }}
+        for i in range(14)
+    ]  # fmt: skip
+    rules = "You are a coding agent. Answer briefly and use the tools. " * 4
+
+    def ask(folder: str) -> int:
+        system = f"{rules}\nWorking directory: {folder}\nIs a git repository: false"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, tools=tools, max_tokens=1, temperature=0
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    ask("/tmp/agents/one")
+    cached = ask("/tmp/agents/two")
+    assert cached >= len(tools_section(tools))  # one token a character, on the tiny model

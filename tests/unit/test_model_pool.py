@@ -125,6 +125,25 @@ def test_names_resolve_to_their_model_and_unknown_names_are_refused():
         p.spec("gpt-5")
 
 
+@pytest.mark.parametrize(
+    "setting, models, answered",
+    [("auto", 1, True), ("auto", 2, False), ("on", 2, True), ("off", 1, False)],
+)
+def test_a_name_no_model_has_is_the_default_models_where_the_setting_says(
+    setting, models, answered, caplog
+):
+    p = ModelPool(SPECS[:models], FakeLoader({"a": 40, "b": 40}), answer_any=setting)
+    with caplog.at_level("INFO", logger="mlx_cache_server.models"):
+        for _ in range(2):
+            assert p.answering("gpt-5") == ("default" if answered else "gpt-5")
+        assert p.answering("alpha") == "alpha"  # a model's own name is its own
+    assert len([r for r in caplog.records if "gpt-5" in r.getMessage()]) == int(answered)
+    assert p.answering("claude-x", always=True) == "default"  # whatever the setting
+    assert ("gpt-5" in p.naming(p.default)) is answered and "alpha" in p.naming(p.default)
+    if models > 1:  # another model's names are never the default's, nor any others
+        assert "b" not in p.naming(p.default) and "gpt-5" not in p.naming(p.spec("b"))
+
+
 def test_concurrent_requests_for_an_unloaded_model_load_it_once():
     p, loader = pool()
     loader.gate.clear()

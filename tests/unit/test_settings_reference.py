@@ -19,6 +19,7 @@ GiB, MiB = 1024**3, 1024**2
 FLAGS = [
     (["--served-model-name", "x"], "served_model_name", "x"),
     (["--model-alias", "a", "--model-alias", "b"], "model_aliases", ["a", "b"]),
+    (["--answer-any-model", "OFF"], "answer_any_model", "off"),  # added with issue 59
     (["--memory-budget", "16GiB"], "memory_budget", 16 * GiB),
     (["--model-ttl", "60"], "model_ttl", 60.0),
     (["--working-memory", "1MiB"], "working_memory", MiB),

@@ -129,3 +129,32 @@ def test_a_forced_call_streams_its_name_first_then_argument_fragments():
     whole = Reply(ENGINE, SimpleNamespace(tools=[]), ToolPlan("forced", [])).feed(text)[1]
     assert [d.index for d in whole] == [0] and whole[0].function.name == "get_weather"
     assert whole[0].function.arguments == '{"city": "Paris", "days": 3}'
+
+
+def test_a_forced_call_cut_off_is_a_call_as_far_as_it_came_whole_or_streamed():
+    from mlx_cache_server.serving.chat import Reply
+    from mlx_cache_server.serving.tools import ToolPlan, cut_off_call
+
+    names = ("get_weather", "get_time")
+    call = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+    # Where it is cut: the name it gets (a name cut off is the one tool it could become, else
+    # what there is of it).
+    named = {0: "", 5: "", 14: "get_", 16: "get_weather", 24: "get_weather", 37: "get_weather",
+             40: "get_weather", len(call) - 1: "get_weather"}  # fmt: skip
+    for cut, name in named.items():
+        text = call[:cut]
+        plan = ToolPlan("forced", [], names=names)
+        content, (whole,) = Reply(ENGINE, SimpleNamespace(tools=[]), plan).whole(text)
+        assert content is None
+        reply = Reply(ENGINE, SimpleNamespace(tools=[]), plan)
+        deltas = [d for i in range(0, len(text), 3) for d in reply.feed(text[i : i + 3])[1]]
+        content, more = reply.finish()
+        deltas += more
+        assert content == "" and deltas[0].id and [d.index for d in deltas] == [0] * len(deltas)
+        assert deltas[0].function.name == whole.function.name
+        assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+        assert whole.function.arguments == text[37:]  # after `"arguments": `
+        assert whole.function.name == name
+    assert cut_off_call('{"name": "get_w', ("get_weather",)).function.name == "get_weather"
+    markup = cut_off_call("<function=get_time>\n<parameter=zo", names, markup=True)
+    assert markup.function.name == "get_time" and markup.function.arguments.startswith("<")

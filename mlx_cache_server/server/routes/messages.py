@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ...models.pool import UnknownModel
 from ...serving.anthropic import CountTokensRequest, MessagesRequest
 from ..auth import Tenant
 from ..loading import ANTHROPIC, respond
@@ -31,10 +30,5 @@ async def count_tokens(req: CountTokensRequest, state: State, tenant: Tenant):
 
 def _model_for(state: ServerState, name: str) -> str:
     """Agents send Claude's model names: unless a model is configured under one, they mean
-    the default model."""
-    if name.startswith("claude"):
-        try:
-            state.models.spec(name)
-        except UnknownModel:
-            return "default"
-    return name
+    the default model, whatever `--answer-any-model` says of other names."""
+    return state.answering(name, always=name.startswith("claude"))
