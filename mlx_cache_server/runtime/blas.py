@@ -47,8 +47,11 @@ def openblas_loaded() -> bool:
         return False
     try:
         first = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
-        ours = ctypes.cast(ctypes.CDLL(lib).cblas_sgemm, ctypes.c_void_p).value
-    except (AttributeError, OSError):  # no global cblas_sgemm, or the library does not load
+        # RTLD_NOLOAD: only where it is mapped already; asking must not load it (and start
+        # its threads) in a process that does not use it.
+        loaded = ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        ours = ctypes.cast(loaded.cblas_sgemm, ctypes.c_void_p).value
+    except (AttributeError, OSError):  # no global cblas_sgemm, or OpenBLAS is not mapped
         return False
     return first == ours
 
