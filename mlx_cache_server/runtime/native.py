@@ -86,8 +86,9 @@ def _load() -> ModuleType | None:
         except ImportError as e:
             problem = problem or _missing(e)
             continue
-        variant = suffix
-        return _checked(module, mx)
+        checked = _checked(module, mx)
+        variant = suffix if checked is not None else None
+        return checked
     return None
 
 
