@@ -40,6 +40,7 @@ def fresh(monkeypatch):
     """`native` as if nothing were imported yet (its state restored after)."""
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "problem", None)
+    monkeypatch.setattr(native, "variant", None)
     monkeypatch.setattr(native.sys, "platform", "linux")
     monkeypatch.delenv(native.DISABLE, raising=False)
     return monkeypatch
@@ -81,6 +82,7 @@ def test_a_module_built_against_another_mlx_is_not_used(fresh):
     fresh.setattr(native.importlib, "import_module", lambda name: fake_module("mlx 0.0.1 nb 3"))
     assert native.layers() is None
     assert "built against mlx 0.0.1" in native.problem and "reinstall" in native.problem
+    assert native.variant is None  # named only once a module passes
 
 
 def test_turned_off_imports_nothing(fresh):
