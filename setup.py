@@ -18,6 +18,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError
 
 CSRC = Path("mlx_cache_server/runtime/csrc")
 C_SOURCES = ("pool.c", "gemm.c", "attention.c")
@@ -56,7 +57,7 @@ class BuildKernels(build_ext):
             import mlx.core as mx
             import nanobind
         except ImportError as e:  # a build without the build requirements: no kernels
-            raise_compile_error(f"{e.name} is not installed")
+            raise CompileError(f"{e.name} is not installed") from e
         march = ext.march
         mlx_dir = Path(mlx.__path__[0])
         nb = Path(nanobind.source_dir()).parent
@@ -100,12 +101,6 @@ class BuildKernels(build_ext):
         import sysconfig
 
         return sysconfig.get_paths()["include"]
-
-
-def raise_compile_error(why: str) -> None:
-    from setuptools.errors import CompileError
-
-    raise CompileError(why)
 
 
 def kernel_modules() -> list[Extension]:
