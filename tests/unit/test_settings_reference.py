@@ -5,12 +5,14 @@ set what they always set."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from mlx_cache_server.cli import _parser, settings_of
 from mlx_cache_server.setting_flags import with_reference
+from mlx_cache_server.settings import Settings, load_settings
 
 DOC = Path(__file__).parents[2] / "docs" / "configuration.md"
 GiB, MiB = 1024**3, 1024**2
@@ -107,3 +109,40 @@ def test_repeated_models_are_the_model_and_more_models(tmp_path):
 def test_the_docs_usage_names_only_flags_serve_takes(capsys):
     usage = DOC.read_text().split("```")[1].split("mlx-cache-server import-gguf")[0]
     assert set(re.findall(r"--[a-z][a-z-]*", usage)) <= serve_flags(capsys)
+
+
+EXAMPLE = Path(__file__).parents[2] / "configs" / "server.example.toml"
+
+
+def example_lines() -> tuple[list[str], list[str]]:
+    """The example file's settings lines: those it sets, and those it shows commented out."""
+    key = re.compile(r"^(#\s*)?([a-z_]+)\s*=")
+    set_, shown = [], []
+    for line in EXAMPLE.read_text().splitlines():
+        if m := key.match(line):
+            (shown if m.group(1) else set_).append(line)
+    return set_, shown
+
+
+def test_the_example_settings_file_names_real_settings_at_their_defaults(tmp_path):
+    """The example is written by hand for its comments, so this keeps it from drifting from
+    `Settings`: every key it sets or shows is a setting, and what it sets is the default."""
+    set_, shown = example_lines()
+    names = {re.match(r"#?\s*([a-z_]+)", line).group(1) for line in set_ + shown}
+    assert names - set(Settings.model_fields) == set()
+    config = tmp_path / "s.toml"
+    for line in set_:
+        config.write_text(line + "\n")
+        name = line.split("=")[0].strip()
+        assert getattr(load_settings(config, {}), name) == getattr(Settings(), name), line
+    for line in shown:  # a commented-out value is one the setting takes
+        config.write_text(line.lstrip("# ") + "\n")
+        load_settings(config, {})
+
+
+def test_the_example_check_finds_a_wrong_default(tmp_path, monkeypatch):
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text(EXAMPLE.read_text().replace("port = 8080", "port = 8081"))
+    monkeypatch.setattr(sys.modules[__name__], "EXAMPLE", wrong)
+    with pytest.raises(AssertionError, match="port = 8081"):
+        test_the_example_settings_file_names_real_settings_at_their_defaults(tmp_path)
