@@ -113,13 +113,13 @@ def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from .models.default_model import NAME
+    from .models.sharding import launched_group, refusal, watch
     from .models.specs import check_paths, model_specs
     from .runtime.blas import describe as describe_blas
     from .runtime.memory import limit_buffer_pool
     from .server.app import create_app
     from .server.connections import uvicorn_config
     from .server.loader import fetched_path, model_pool
-    from .server.sharded import launched_group, refusal, watch
     from .serving.metrics import Metrics
     from .serving.warm import load_warm_prompts
 

@@ -19,9 +19,9 @@ from ..engine import Engine
 from ..models.pool import ModelPool
 from ..models.specs import ModelSpec
 from ..serving.metrics import Metrics
-from ..serving.schemas import ErrorResponse
+from ..serving.openai_bodies import ErrorResponse
 from ..settings import Settings
-from . import errors, routes
+from . import error_handlers, routes
 from .auth import authorize
 from .connections import HeaderLimit
 from .loader import ModelLoader, ServedModel, serve_engine
@@ -51,7 +51,7 @@ def create_app(
     app.state.server = ServerState(
         settings=settings, metrics=metrics, started=int(time.time()), models=pool
     )
-    errors.install(app)
+    error_handlers.install(app)
     for module in (
         routes.chat, routes.completions, routes.messages, routes.responses, routes.embeddings,
         routes.models, routes.health, routes.cache, routes.metrics,

@@ -14,9 +14,10 @@ from mlx_cache_server.prompt_cache.disk import DiskTier, DiskTierBusy, DiskTierU
 
 from ..engine import Engine
 from ..engine.draft_model import DraftModel
-from ..engine.sharded import FollowerSteps, LeaderSteps, rank_bytes
-from ..engine.solo import check_quantized
+from ..engine.quantized_kv import check_quantized
+from ..engine.sharded_steps import FollowerSteps, LeaderSteps, rank_bytes
 from ..models.fingerprint import kv_fingerprint
+from ..models.sharding import load_shard
 from ..models.specs import model_id as model_id_of
 from ..runtime import (
     cpu_activations,
@@ -30,7 +31,6 @@ from ..runtime import (
 from ..runtime.blas import describe as describe_blas
 from ..serving.defaults import generation_config, model_folder
 from ..settings import Settings
-from .sharded import load_shard
 
 log = logging.getLogger("mlx_cache_server")
 CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "context_length")  # configs name it so

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, Request
 
 from ..models.pool import ModelBusy, ModelPool, ModelTooLarge, ModelUnavailable, UnknownModel
-from ..serving.errors import APIError
+from ..serving.api_errors import APIError
 from ..serving.metrics import Metrics
 from ..settings import Settings
 from .loader import ServedModel

@@ -58,7 +58,7 @@ from .call_values import (
     python_scalar,
 )
 from .closed_schema import closed
-from .schema_checks import check_schema
+from .schema_bounds import check_schema
 from .structured import TEMPLATE_JSON, forced_call_grammar
 
 Marker = Callable[[str], str]

@@ -359,8 +359,8 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tiny_model_dir):
 
 
 def test_a_draft_model_goes_with_one_model_and_no_sharding(tiny_model_dir):
+    from mlx_cache_server.models.sharding import refusal
     from mlx_cache_server.models.specs import model_specs
-    from mlx_cache_server.server.sharded import refusal
 
     two = Settings(model=str(tiny_model_dir), models=[{"path": str(tiny_model_dir), "id": "b"}],
                    draft_model="x")  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 
 from mlx_cache_server.engine import SamplingParams, sharded
 from mlx_cache_server.engine.request import Request
-from mlx_cache_server.engine.sharded import Diverged, FollowerSteps, LeaderSteps
+from mlx_cache_server.engine.sharded_steps import Diverged, FollowerSteps, LeaderSteps
 from mlx_cache_server.engine.steps import LocalSteps, Measured
 from tests.helpers import FakeClock
 

@@ -7,7 +7,7 @@ import json
 from fastapi import APIRouter, Depends
 
 from ...models.pool import ModelState
-from ...serving.schemas import ModelCard, ModelList
+from ...serving.openai_bodies import ModelCard, ModelList
 from ..auth import Admin, authorize
 from ..build import CONTEXT_KEYS
 from ..loader import local_folder

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
-from .errors import APIError
+from .api_errors import APIError
 from .schema_costs import check_choices, check_literals
 
 # Bounds, in schema levels and objects. bench/schema_bounds.py bisects the levels each

@@ -1,4 +1,4 @@
-"""Serving one model sharded over the processes `mlx.launch` starts (`engine.sharded`).
+"""Serving one model sharded over the processes `mlx.launch` starts (`engine.sharded_steps`).
 
 Every rank loads its shard: some heads of every layer (tensor parallel, mlx-lm's
 `Model.shard`) or, with `--pipeline`, some of the layers (`model.model.pipeline`).

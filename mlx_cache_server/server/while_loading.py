@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..serving.errors import APIError, error_body
+from ..serving.api_errors import APIError, error_body
 from ..serving.responses import ResponsesRequest, failed_stream
 from ..serving.sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, SSE_DONE, EventStream
-from .errors import logged_failure, shaped
+from .error_handlers import logged_failure, shaped
 from .loader import ServedModel
 from .state import ServerState
 
