@@ -24,9 +24,9 @@ from typing import Any
 
 from ..serving.api_errors import APIError, error_body
 from ..serving.responses import ResponsesRequest, failed_stream
+from ..serving.served_model import ServedModel
 from ..serving.sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, SSE_DONE, EventStream
 from .error_handlers import logged_failure, shaped
-from .loader import ServedModel
 from .state import ServerState
 
 LOAD_GRACE = KEEP_ALIVE_EVERY  # seconds a stream waits for its model before it starts

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.runtime import kernel_block
 from mlx_cache_server.runtime.blas import describe as describe_blas
-from mlx_cache_server.server import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
 from tests.live import settings_of
