@@ -241,7 +241,9 @@ def serve(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     # Skip interpreter teardown: MLX's stream threads can abort the process while
     # C++ statics are destroyed (seen with mlx 0.32 on Linux), turning a clean stop
-    # into a crash status.
+    # into a crash status. Upstream: https://github.com/ml-explore/mlx/pull/4110 (a fix,
+    # closed unmerged); MLX asks each thread to call `mx.clear_streams()` before it ends
+    # instead (https://github.com/ml-explore/mlx/pull/4373).
     os._exit(1 if failed.is_set() else 0)
 
 

@@ -9,8 +9,10 @@ The token-level tokenizer llguidance needs costs about a second to build; it is
 built once per engine, on first use (`GrammarTokenizer`).
 
 llguidance compiles a grammar by recursion on the native stack, where an overflow
-kills the process. Compilation runs `on_deep_stack`, on a thread whose stack is
-far larger than what the schema bounds (`serving.schema_bounds`) let a grammar use.
+kills the process (llguidance 1.9). Compilation runs `on_deep_stack`, on a thread whose
+stack is far larger than what the schema bounds (`serving.schema_bounds`) let a grammar
+use. No upstream issue was found; llguidance's maintainers name the recursion, and plan
+an iterative rewrite, in https://github.com/guidance-ai/llguidance/pull/321.
 """
 
 from __future__ import annotations
