@@ -5,7 +5,7 @@ For each construct (a `$ref` chain, nested objects, nested arrays, nested
 validation and a matcher over the tiny test tokenizer, as the server does)
 kills a child process on a thread with a given stack; then reports the stack
 each level takes, what the deepest schema the server admits
-(`schema_checks.MAX_DEPTH`) would need, and the margin `constraint.DEEP_STACK`
+(`schema_bounds.MAX_DEPTH`) would need, and the margin `constraint.DEEP_STACK`
 leaves. Also times the server's whole check and compile of the largest admitted
 schemas. No server is started.
 
@@ -105,12 +105,12 @@ def overflow_at(construct: str, stack_kib: int) -> int:
 def admitted_cost() -> dict:
     """Seconds the server's check and compile take on the largest schemas it admits."""
     from mlx_cache_server.engine.constraint import DEEP_STACK
-    from mlx_cache_server.serving import schema_checks
+    from mlx_cache_server.serving import schema_bounds as bounds
     from mlx_cache_server.serving.structured import json_grammar
 
-    depth = schema_checks.MAX_DEPTH - 2
+    depth = bounds.MAX_DEPTH - 2
     wide = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}} for i in
-                      range(schema_checks.MAX_NODES // 3)]}  # fmt: skip
+                      range(bounds.MAX_NODES // 3)]}  # fmt: skip
     out = {"deep_stack_bytes": DEEP_STACK}
     for name, schema in [("chain", chain(depth)), ("objects", objects(depth // 2)), ("wide", wide)]:
         t0 = time.perf_counter()
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--stack-mib", type=int, default=8)
     args = ap.parse_args()
     from mlx_cache_server.engine.constraint import DEEP_STACK
-    from mlx_cache_server.serving.schema_checks import MAX_DEPTH
+    from mlx_cache_server.serving.schema_bounds import MAX_DEPTH
 
     stack = args.stack_mib * 1024**2
     rows = {}

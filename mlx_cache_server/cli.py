@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .setting_flags import add_setting_flags
 
 if TYPE_CHECKING:
-    from .server.loader import ServedModel
+    from .serving.served_model import ServedModel
     from .settings import Settings
 
 log = logging.getLogger("mlx_cache_server")
@@ -86,7 +86,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
 
 def follow(settings: Settings, path: str, group: Any) -> int:
     """A rank other than 0: run the steps rank 0 hands over until it stops; the exit status."""
-    from .server.build import build_engine
+    from .models.engine_build import build_engine
 
     # Ctrl-C on the launcher reaches every rank: rank 0 drains its requests, then tells
     # this one to stop; stopping here first would fail them.
@@ -113,14 +113,15 @@ def serve(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from .models.default_model import NAME
+    from .models.loader import fetched_path
+    from .models.sharding import launched_group, refusal, watch
     from .models.specs import check_paths, model_specs
     from .runtime.blas import describe as describe_blas
     from .runtime.memory import limit_buffer_pool
     from .server.app import create_app
     from .server.connections import uvicorn_config
-    from .server.loader import fetched_path, model_pool
-    from .server.sharded import launched_group, refusal, watch
     from .serving.metrics import Metrics
+    from .serving.served_model import model_pool
     from .serving.warm import load_warm_prompts
 
     try:
@@ -240,7 +241,9 @@ def serve(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     # Skip interpreter teardown: MLX's stream threads can abort the process while
     # C++ statics are destroyed (seen with mlx 0.32 on Linux), turning a clean stop
-    # into a crash status.
+    # into a crash status. Upstream: https://github.com/ml-explore/mlx/pull/4110 (a fix,
+    # closed unmerged); MLX asks each thread to call `mx.clear_streams()` before it ends
+    # instead (https://github.com/ml-explore/mlx/pull/4373).
     os._exit(1 if failed.is_set() else 0)
 
 

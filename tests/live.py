@@ -17,8 +17,9 @@ import httpx
 import uvicorn
 
 from mlx_cache_server.engine import Engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.models.pool import ModelPool
-from mlx_cache_server.server import build_engine, create_app
+from mlx_cache_server.server import create_app
 from mlx_cache_server.server.connections import uvicorn_config
 from mlx_cache_server.serving.metrics import Metrics
 from mlx_cache_server.settings import Settings, load_settings

@@ -9,8 +9,10 @@ The token-level tokenizer llguidance needs costs about a second to build; it is
 built once per engine, on first use (`GrammarTokenizer`).
 
 llguidance compiles a grammar by recursion on the native stack, where an overflow
-kills the process. Compilation runs `on_deep_stack`, on a thread whose stack is
-far larger than what the schema bounds (`serving.schema_checks`) let a grammar use.
+kills the process (llguidance 1.9). Compilation runs `on_deep_stack`, on a thread whose
+stack is far larger than what the schema bounds (`serving.schema_bounds`) let a grammar
+use. No upstream issue was found; llguidance's maintainers name the recursion, and plan
+an iterative rewrite, in https://github.com/guidance-ai/llguidance/pull/321.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .events import GrammarFailed
 T = TypeVar("T")
 # A thread's stack is reserved address space, committed only as it is used, so a large
 # one costs nothing until a deep grammar needs it. bench/schema_bounds.py measures what
-# the deepest schema `serving.schema_checks` admits takes: a small fraction of this.
+# the deepest schema `serving.schema_bounds` admits takes: a small fraction of this.
 DEEP_STACK = 64 * 1024**2
 _stack_size = threading.Lock()  # threading.stack_size is process-wide: set, start, reset
 

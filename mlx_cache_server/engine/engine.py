@@ -24,9 +24,9 @@ from .batch import Batch
 from .constraint import GrammarTokenizer
 from .draft_model import DraftModel
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
+from .quantized_kv import QuantizedKVRunner
 from .replies import BUDGET, RecentReplies
 from .request import Request
-from .solo import Solo
 from .steps import LocalSteps, StepSource
 from .thread import StepLoop
 from .wiring import BatchSettings, Fail, Outlet, Requeue
@@ -97,7 +97,7 @@ class Engine:
         self.stats = EngineStats()
         self.runner = StepLoop(self.stats, clock=clock, release_after=release_after)
 
-    def _new_batch(self, fail: Fail, requeue: Requeue) -> Batch | Solo:
+    def _new_batch(self, fail: Fail, requeue: Requeue) -> Batch | QuantizedKVRunner:
         """The batch the thread runs requests in (`fail`, `requeue`: the thread's), from the
         model and settings as they are at its first request (or after a failed step)."""
         outlet = Outlet(self.tokenizer, self.cache, self.replies, self.stats)
@@ -108,7 +108,9 @@ class Engine:
         )  # fmt: skip
         if self.kv_bits is None:
             return Batch(self.model, outlet, settings, fail, requeue)
-        return Solo(self.model, outlet, settings, fail, self.kv_group_size, self.kv_bits)
+        return QuantizedKVRunner(
+            self.model, outlet, settings, fail, self.kv_group_size, self.kv_bits
+        )
 
     def start(self) -> None:
         self.runner.start(self._new_batch, self._clear_cache)

@@ -2,8 +2,8 @@
 cancelled one ended with what it generated, a failed one with its error.
 
 `Exits` is the batch's exit handler: it acts on the batch's `Running` and sends output to
-the `Outlet` it is handed. `deliver` and `store` serve the solo runner too. Runs on the
-engine thread alone.
+the `Outlet` it is handed. `deliver` and `store` serve the quantized-KV runner too. Runs
+on the engine thread alone.
 """
 
 from __future__ import annotations

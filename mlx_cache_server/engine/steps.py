@@ -6,8 +6,8 @@ a flush of the cache, an idle pause's memory release. Everything the batch and t
 prompt cache decide (who starts, how large a chunk, what the cache matches, keeps and
 evicts) follows from these and from their own state. So a server sharded over several
 processes (`mlx.launch`) stays in step by reading the inputs once, on rank 0, and
-handing every rank the same ones (`sharded.LeaderSteps`, `sharded.FollowerSteps`);
-one process reads its own (`LocalSteps`).
+handing every rank the same ones (`sharded_steps.LeaderSteps`,
+`sharded_steps.FollowerSteps`); one process reads its own (`LocalSteps`).
 
 Invariants: a request appears in `new` once, and in `cancelled` at most once, in that
 step or a later one; the engine thread sets `Request.cancelled` only from `cancelled`,

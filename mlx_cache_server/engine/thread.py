@@ -32,13 +32,13 @@ from .steps import LocalSteps, StepInputs, StepSource
 
 if TYPE_CHECKING:
     from .batch import Batch
-    from .solo import Solo
+    from .quantized_kv import QuantizedKVRunner
     from .wiring import Fail, Requeue
 
 log = logging.getLogger("mlx_cache_server.engine")
 
 # Makes the batch the steps run in, handed the loop's `fail` and `requeue`.
-NewBatch = Callable[["Fail", "Requeue"], "Batch | Solo"]
+NewBatch = Callable[["Fail", "Requeue"], "Batch | QuantizedKVRunner"]
 
 SHUTTING_DOWN = "The server is shutting down; retry on another server or later."
 SHARD_LOST = (
@@ -164,7 +164,7 @@ class StepLoop:
                 self.stats.failed += 1
 
     def _loop(self, new_batch: NewBatch, clear_cache: Callable[[], int]) -> None:
-        batch: Batch | Solo | None = None
+        batch: Batch | QuantizedKVRunner | None = None
         idle_since: float | None = None  # set when the last request ended; None once released
         inputs: StepInputs | None = None
         while True:

@@ -1,8 +1,9 @@
 """What the engine hands the batch it runs: its settings, and where its output goes.
 
-The batch (`batch.Batch`) and the solo runner (`solo.Solo`) are made by the engine
-thread from the engine's settings of that moment, and take nothing else from the
-engine: these records and the thread's two callbacks (`Fail`, `Requeue`).
+The batch (`batch.Batch`) and the quantized-KV runner (`quantized_kv.QuantizedKVRunner`)
+are made by the engine thread from the engine's settings of that moment, and take
+nothing else from the engine: these records and the thread's two callbacks (`Fail`,
+`Requeue`).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class ModelPool(Generic[S]):
         self.answer_any = answer_any == "on" or (answer_any == "auto" and len(specs) == 1)
         self._answered: set[str] = set()  # names no model has, answered and logged
         # Set once the server ends the requests still running (its shutdown grace over):
-        # a stream still waiting for a load stops waiting (`server.loading`).
+        # a stream still waiting for a load stops waiting (`server.while_loading`).
         self.stopping = threading.Event()
         self.lifecycle = Lifecycle(
             loader, self.roster, self.stopping,

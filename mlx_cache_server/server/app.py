@@ -16,15 +16,16 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from ..engine import Engine
+from ..models.loader import ModelLoader
 from ..models.pool import ModelPool
 from ..models.specs import ModelSpec
 from ..serving.metrics import Metrics
-from ..serving.schemas import ErrorResponse
+from ..serving.openai_bodies import ErrorResponse
+from ..serving.served_model import ServedModel, serve_engine, serving
 from ..settings import Settings
-from . import errors, routes
+from . import error_handlers, routes
 from .auth import authorize
 from .connections import HeaderLimit
-from .loader import ModelLoader, ServedModel, serve_engine
 from .middleware import BodyLimit, RequestCounter
 from .state import ServerState
 
@@ -51,7 +52,7 @@ def create_app(
     app.state.server = ServerState(
         settings=settings, metrics=metrics, started=int(time.time()), models=pool
     )
-    errors.install(app)
+    error_handlers.install(app)
     for module in (
         routes.chat, routes.completions, routes.messages, routes.responses, routes.embeddings,
         routes.models, routes.health, routes.cache, routes.metrics,
@@ -155,7 +156,7 @@ def _serve_docs(app: FastAPI) -> None:
 def single_model(engine: Engine, settings: Settings, metrics: Metrics) -> ModelPool:
     """A pool of the one engine given, pinned: a test's, or a program's that built its own."""
     spec = ModelSpec(engine.model_id, None, tuple(settings.model_aliases), pinned=True)
-    loader = ModelLoader(settings, metrics, lambda s: pool.naming(s))
+    loader = ModelLoader(settings, serving(metrics, lambda s: pool.naming(s)))
     pool: ModelPool[ServedModel] = ModelPool([spec], loader, answer_any=settings.answer_any_model)
     pool.adopt(spec, serve_engine(spec, engine, settings, metrics, pool.naming(spec)))
     return pool

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..serving.errors import APIError
+from ..serving.api_errors import APIError
 from .state import server_state
 
 

@@ -21,9 +21,9 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..serving.errors import error_body
+from ..serving.api_errors import error_body
 from ..settings import Settings
-from .errors import shaped
+from .error_handlers import shaped
 
 log = logging.getLogger("mlx_cache_server.connections")
 

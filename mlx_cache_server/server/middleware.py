@@ -10,9 +10,9 @@ import asyncio
 import json
 from typing import Any
 
-from ..serving.errors import error_body
+from ..serving.api_errors import error_body
 from ..serving.metrics import Metrics
-from .errors import shaped
+from .error_handlers import shaped
 
 
 class RequestCounter:

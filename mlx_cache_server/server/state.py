@@ -10,10 +10,10 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, Request
 
 from ..models.pool import ModelBusy, ModelPool, ModelTooLarge, ModelUnavailable, UnknownModel
-from ..serving.errors import APIError
+from ..serving.api_errors import APIError
 from ..serving.metrics import Metrics
+from ..serving.served_model import ServedModel
 from ..settings import Settings
-from .loader import ServedModel
 
 
 @dataclass

@@ -20,8 +20,8 @@ from fastapi import Request
 from pydantic import Field
 
 from ..engine import Delta, Event, Failed, Finished, Started
+from .api_errors import APIError
 from .chat import ChatCompletionsServing, chat_request, check_request_chars
-from .errors import APIError
 from .generation import (
     collect,
     compiling,
@@ -31,7 +31,7 @@ from .generation import (
     with_pauses,
 )
 from .limits import check_model
-from .schemas import ChatCompletionRequest, TextRequest, ToolCallDelta, _Request
+from .openai_bodies import ChatCompletionRequest, TextRequest, ToolCallDelta, _Request
 from .sse import EventStream
 from .template import render
 from .tools import compiles_grammar, plan_tools

@@ -7,13 +7,14 @@ shapes with the markers of their models, where the markup is the same shape:
 
 - function_gemma (FunctionGemma): Gemma 4's value syntax between `<start_function_call>`
   markers, strings between `<escape>` tokens. mlx-lm's parser reads flat arguments only
-  and ends a call at its first `}`: strings hold none, and tools with objects or lists
-  keep the bare JSON call.
+  and ends a call at its first `}` (mlx-lm 0.32; a fix was proposed and closed unmerged,
+  https://github.com/ml-explore/mlx-lm/pull/1628): strings hold none, and tools with
+  objects or lists keep the bare JSON call.
 - longcat (LongCat): GLM-4.7's tagged parameters under `<longcat_...>` tags, a new line
   after the name and around each value. Its parser fails on a call with no argument
-  (a tool that may be called without one keeps the bare JSON call), and LongCat's
-  first template wrote calls as JSON (`writes`: only a template that writes
-  `<longcat_arg_key>` gets this markup).
+  (mlx-lm 0.32, no upstream issue found; a tool that may be called without one keeps
+  the bare JSON call), and LongCat's first template wrote calls as JSON (`writes`: only
+  a template that writes `<longcat_arg_key>` gets this markup).
 - minicpm5 (MiniCPM5): `<function name="NAME"><param name="P">VALUE</param></function>`,
   no wrapper; its template wraps a value holding `<`, `&` or a new line in CDATA, so a
   string is generated without them.

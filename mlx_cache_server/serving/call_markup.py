@@ -58,7 +58,7 @@ from .call_values import (
     python_scalar,
 )
 from .closed_schema import closed
-from .schema_checks import check_schema
+from .schema_bounds import check_schema
 from .structured import TEMPLATE_JSON, forced_call_grammar
 
 Marker = Callable[[str], str]
@@ -228,9 +228,11 @@ _MISTRAL_CALL = re.compile(r"\s*(?:\[TOOL_CALLS\]\s*)?([\w.-]+)\[CALL_ID\]([A-Za
 class MistralCalls:
     """mistral, where the template writes a call's id (Mistral Small 3.2 and later):
     `[TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{JSON}`, ID 9 alphanumerics, and the turn's end
-    after the last call. mlx-lm's parser takes the id for the name there, so `parse`
-    reads these calls, their ids with them: the client's id for a call is built on the
-    generated one, and `call_history` renders it back as those characters."""
+    after the last call. mlx-lm's parser takes the id for the name there (mlx-lm 0.32;
+    no upstream issue names it, the nearest is
+    https://github.com/ml-explore/mlx-lm/issues/1639), so `parse` reads these calls,
+    their ids with them: the client's id for a call is built on the generated one, and
+    `call_history` renders it back as those characters."""
 
     start: str = "[TOOL_CALLS]"
     prefix: str = "[TOOL_CALLS]"

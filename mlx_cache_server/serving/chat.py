@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from ..engine import Candidate, Delta, Engine, Event, TokenLogprob
 from ..engine.constraint import GrammarProcessor, build_constraint
-from .errors import APIError
+from .api_errors import APIError
 from .generation import (
     RequestContext,
     Surface,
@@ -35,8 +35,7 @@ from .limits import (
     sampling_params,
     text_chars,
 )
-from .reasoning import ReasoningSplit, opens_thinking, split_whole, think_tags
-from .schemas import (
+from .openai_bodies import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -52,6 +51,7 @@ from .schemas import (
     TopLogprob,
     Usage,
 )
+from .reasoning import ReasoningSplit, opens_thinking, split_whole, think_tags
 from .sse import EventStream, sse_stream
 from .structured import response_format_grammar
 from .template import render_marked

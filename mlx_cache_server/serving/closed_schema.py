@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .schema_checks import MANY, NAMED, ONE, ref_targets, walk_schema
+from .schema_bounds import MANY, NAMED, ONE, ref_targets, walk_schema
 
 OPENERS = ("additionalProperties", "unevaluatedProperties")
 BRANCHES = ("anyOf", "oneOf", "then", "else")

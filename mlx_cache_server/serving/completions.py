@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from ..engine import Delta, Engine, Event, TokenLogprob
-from .errors import APIError
+from .api_errors import APIError
 from .generation import (
     RequestContext,
     Surface,
@@ -19,7 +19,7 @@ from .generation import (
     until_disconnected,
 )
 from .limits import check_model, check_prompt_chars, reserve_slot, sampling_params
-from .schemas import (
+from .openai_bodies import (
     Completion,
     CompletionChoice,
     CompletionChunk,

@@ -8,13 +8,12 @@ then OpenAI's neutral value. A request's own value always wins.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..settings import Settings
 
+# The values a generation_config.json may give too (`models.folders.SAMPLING_KEYS`).
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
@@ -31,36 +30,6 @@ class SamplingDefaults:
             f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k}, "
             f"min_p {self.min_p:g} ({self.source})"
         )
-
-
-def generation_config(model_dir: str | Path) -> dict[str, Any]:
-    """The sampling values of a model folder's generation_config.json ({} without one)."""
-    path = Path(model_dir) / "generation_config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    out: dict[str, Any] = {}
-    for key in NEUTRAL:
-        value = config.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            out[key] = value
-    if config.get("do_sample") is False:  # greedy, whatever temperature it also lists
-        out["temperature"] = 0.0
-    return out
-
-
-def model_folder(model: str) -> Path | None:
-    """The local folder of a model path or an already downloaded Hugging Face id."""
-    if Path(model).is_dir():
-        return Path(model)
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(model, "config.json")
-    except Exception:  # not an id the hub library understands
-        return None
-    return Path(found).parent if isinstance(found, str) else None
 
 
 def sampling_defaults(settings: Settings, model_config: dict[str, Any]) -> SamplingDefaults:

@@ -13,9 +13,9 @@ from pydantic import BaseModel, Field
 
 from ..models.embedding import Embedder
 from ..settings import Settings
-from .errors import APIError
+from .api_errors import APIError
 from .metrics import Metrics
-from .schemas import TextRequest
+from .openai_bodies import TextRequest
 
 MAX_INPUTS = 2048  # OpenAI's limits on one request: inputs, and tokens over all of them
 MAX_TOKENS = 300_000

@@ -16,11 +16,11 @@ from fastapi import Request
 
 from ..engine import Delta, Engine, Event, Failed, Finished, SamplingParams, Started, TokenLogprob
 from ..settings import Settings
+from .api_errors import APIError
 from .defaults import SamplingDefaults
-from .errors import APIError
 from .limits import Slot
 from .metrics import Metrics
-from .schemas import PromptTokensDetails, Usage
+from .openai_bodies import PromptTokensDetails, Usage
 from .workers import GRAMMARS, TEMPLATING
 
 request_log = logging.getLogger("mlx_cache_server.requests")

@@ -43,7 +43,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .schemas import FunctionCallDelta, ToolCall, ToolCallDelta
+from .openai_bodies import FunctionCallDelta, ToolCall, ToolCallDelta
 from .structured import TEMPLATE_JSON, checked, tool_call_schema
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"

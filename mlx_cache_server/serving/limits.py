@@ -16,9 +16,9 @@ from pydantic import BaseModel
 
 from ..engine import Engine, SamplingParams
 from ..settings import Settings
+from .api_errors import APIError
 from .defaults import SamplingDefaults
-from .errors import APIError
-from .schemas import SamplingFields
+from .openai_bodies import SamplingFields
 
 log = logging.getLogger("mlx_cache_server.requests")
 

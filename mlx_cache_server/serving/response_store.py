@@ -35,7 +35,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from .errors import APIError
+from .api_errors import APIError
 from .response_file import open_private
 
 Items = list[dict[str, Any]]

@@ -31,9 +31,9 @@ from .generation import (
     until_disconnected,
     with_pauses,
 )
+from .openai_bodies import FunctionCall, ToolCall, ToolCallDelta
 from .response_store import ResponseStore
 from .responses_input import Offered, ResponsesRequest, input_items, to_chat
-from .schemas import FunctionCall, ToolCall, ToolCallDelta
 from .sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, EventStream
 
 ROUTE = "/v1/responses"

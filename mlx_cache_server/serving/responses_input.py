@@ -22,11 +22,11 @@ import llguidance
 from pydantic import Field
 
 from ..engine.constraint import on_deep_stack
+from .api_errors import APIError
 from .chat import chat_request
-from .errors import APIError
 from .lark_regex import NotRegular, lark_to_regex
+from .openai_bodies import ChatCompletionRequest, TextRequest
 from .schema_costs import pattern_problem
-from .schemas import ChatCompletionRequest, TextRequest
 
 # A custom (free-form) tool is offered to the model as a function of one string, since
 # that is what chat templates and tool parsers know; its call goes back to the client

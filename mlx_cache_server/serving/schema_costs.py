@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import APIError
+from .api_errors import APIError
 
 MAX_LITERAL_CHARS = 10_000  # one `const`, `enum` value or `pattern`, as JSON text
 MAX_LITERALS_CHARS = 100_000  # all of a document's `const`s, `enum`s and `pattern`s

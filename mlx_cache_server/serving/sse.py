@@ -10,9 +10,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from ..engine import Delta, Event, Failed, Finished, Started
-from .errors import error_body
+from .api_errors import error_body
 from .generation import failure_status, make_usage, with_pauses
-from .schemas import ErrorResponse, Usage
+from .openai_bodies import ErrorResponse, Usage
 
 SSE_DONE = "data: [DONE]\n\n"
 # An SSE comment, which clients skip: sent while a long prompt prefills, so that clients

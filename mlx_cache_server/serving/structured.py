@@ -13,9 +13,9 @@ from typing import Any
 import llguidance
 
 from ..engine.constraint import on_deep_stack
+from .api_errors import APIError
 from .closed_schema import closed
-from .errors import APIError
-from .schema_checks import MANY, NAMED, ONE, check_schema, walk_schema
+from .schema_bounds import MANY, NAMED, ONE, check_schema, walk_schema
 
 COMPACT = {"whitespace_flexible": False}
 # What chat templates' `tojson` writes (Python's json.dumps): a space after , and :.

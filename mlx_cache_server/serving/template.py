@@ -25,8 +25,8 @@ from mlx_cache_server.prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
 from . import attribution, call_history, call_markup, harmony, prompted_tools
-from .errors import APIError
-from .schemas import ChatCompletionRequest, ChatMessage
+from .api_errors import APIError
+from .openai_bodies import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
 
 log = logging.getLogger("mlx_cache_server")

@@ -21,8 +21,8 @@ from typing import Any
 from ..engine import Engine
 from ..engine.text import overlap
 from . import call_formats, call_history, call_markup, harmony, prompted_tools
-from .errors import APIError
-from .schemas import ChatCompletionRequest, FunctionCall, ToolCall
+from .api_errors import APIError
+from .openai_bodies import ChatCompletionRequest, FunctionCall, ToolCall
 from .structured import checked, forced_call_grammar
 
 

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .errors import APIError
+from .api_errors import APIError
 
 T = TypeVar("T")
 

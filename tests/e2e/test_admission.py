@@ -6,9 +6,9 @@ import time
 
 from mlx_cache_server.engine import Delta, Finished, SamplingParams, Started
 from mlx_cache_server.engine.request import Request
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.prompt_cache import PackedTokens
 from mlx_cache_server.prompt_cache.radix import common_prefix_length, pack
-from mlx_cache_server.server import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 

@@ -148,7 +148,7 @@ def test_text_no_tokenizer_takes_is_a_400_not_a_500(live):
 def test_a_hub_model_not_downloaded_yet_is_fetched_to_learn_its_kind(
     embedding_dir, tiny_model_dir, monkeypatch
 ):
-    import mlx_cache_server.server.loader as loader
+    import mlx_cache_server.models.loader as loader
 
     hub = {"org/embedder": embedding_dir, "org/chatter": tiny_model_dir}  # "downloaded" here
     monkeypatch.setattr(loader, "fetched_path", lambda spec, progress=None: str(hub[spec.path]))

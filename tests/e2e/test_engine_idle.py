@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 
 from mlx_cache_server.engine import Failed, Finished, SamplingParams
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.runtime import memory
-from mlx_cache_server.server import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import FakeClock, wait_until
 
@@ -147,7 +147,7 @@ HELD_AFTER_A_REQUEST = r"""
 import os, sys, threading, time
 import mlx.core as mx
 from mlx_cache_server.engine import Failed, Finished, SamplingParams
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import FakeClock, wait_until
 

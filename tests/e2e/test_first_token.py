@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 

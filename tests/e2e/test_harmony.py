@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.e2e.test_reasoning import Scripted
 from tests.live import LiveServer

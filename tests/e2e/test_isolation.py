@@ -14,7 +14,7 @@ import pytest
 import mlx_cache_server.engine.request
 import mlx_cache_server.engine.running
 from mlx_cache_server.engine import Delta, Engine, Failed, Finished, SamplingParams
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 

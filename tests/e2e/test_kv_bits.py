@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from mlx_cache_server.engine import SamplingParams
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
 from tests.live import serving, start_server

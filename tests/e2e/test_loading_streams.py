@@ -18,7 +18,7 @@ from openai import OpenAI
 from openai.types.chat import ChatCompletionChunk
 
 from mlx_cache_server.models.specs import ModelSpec
-from mlx_cache_server.server import loading
+from mlx_cache_server.server import while_loading
 from tests.e2e.test_models import serving_models
 from tests.helpers import wait_until
 from tests.tiny_model import build_tiny_model
@@ -54,9 +54,9 @@ class Gate:
 def two_models(a: Path, b: Path, grace: float, monkeypatch) -> Iterator:
     """A server of models "a" (loaded) and "b" (loaded on its first request); streams wait
     `grace` seconds for a model, then keep alive every 0.05 s."""
-    monkeypatch.setattr(loading, "LOAD_GRACE", grace)
-    monkeypatch.setattr(loading, "KEEP_ALIVE_EVERY", 0.05)
-    monkeypatch.setattr(loading, "STOP_POLL", 0.01)
+    monkeypatch.setattr(while_loading, "LOAD_GRACE", grace)
+    monkeypatch.setattr(while_loading, "KEEP_ALIVE_EVERY", 0.05)
+    monkeypatch.setattr(while_loading, "STOP_POLL", 0.01)
     specs = [ModelSpec("a", str(a), pinned=True), ModelSpec("b", str(b))]
     with serving_models(specs, admin_key="adm") as server:
         yield server

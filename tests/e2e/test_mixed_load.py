@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started, placement
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 

@@ -15,8 +15,8 @@ import pytest
 from openai import OpenAI
 
 from mlx_cache_server.models.specs import ModelSpec
-from mlx_cache_server.server.loader import model_pool
 from mlx_cache_server.serving.metrics import Metrics
+from mlx_cache_server.serving.served_model import model_pool
 from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
 from tests.live import LiveServer

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 from mlx_cache_server.engine import Delta, Finished, SamplingParams, Started
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import ended, wait_until
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from mlx_cache_server.server import build_engine
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.settings import Settings
 from tests.live import LiveServer
 from tests.tiny_model import THINK_CHATML, build_tiny_model

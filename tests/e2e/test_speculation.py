@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from mlx_cache_server.engine import Delta, Failed, Finished, SamplingParams, Started
+from mlx_cache_server.models.engine_build import build_engine
 from mlx_cache_server.runtime import kernel_block
 from mlx_cache_server.runtime.blas import describe as describe_blas
-from mlx_cache_server.server import build_engine
 from mlx_cache_server.settings import Settings
 from tests.helpers import wait_until
 from tests.live import settings_of
@@ -359,8 +359,8 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tiny_model_dir):
 
 
 def test_a_draft_model_goes_with_one_model_and_no_sharding(tiny_model_dir):
+    from mlx_cache_server.models.sharding import refusal
     from mlx_cache_server.models.specs import model_specs
-    from mlx_cache_server.server.sharded import refusal
 
     two = Settings(model=str(tiny_model_dir), models=[{"path": str(tiny_model_dir), "id": "b"}],
                    draft_model="x")  # fmt: skip

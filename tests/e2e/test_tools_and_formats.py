@@ -289,7 +289,7 @@ def test_constrained_and_free_requests_admitted_together_each_get_their_own(
     """Two constraints and a free request in one batch (BatchGenerator's batched prefill)."""
     from mlx_cache_server.engine import Delta, SamplingParams
     from mlx_cache_server.engine.constraint import build_constraint
-    from mlx_cache_server.server import build_engine
+    from mlx_cache_server.models.engine_build import build_engine
     from mlx_cache_server.serving.structured import json_grammar
     from tests.helpers import ended, wait_until
     from tests.live import settings_of

@@ -298,7 +298,7 @@ def test_the_server_forces_and_reads_a_call_in_the_models_markup(tokenizer, pars
     """plan_tools picks the format by the parser, the prompt ends with its prefix, and the
     reply reads the call with the model's parser."""
     from mlx_cache_server.serving.chat import Reply
-    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
     from mlx_cache_server.serving.tools import plan_tools
 
     module = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")

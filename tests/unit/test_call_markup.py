@@ -144,7 +144,7 @@ def test_the_server_forces_and_reads_a_call_in_qwen3_coder_markup(tokenizer):
     from mlx_lm.tool_parsers import qwen3_coder
 
     from mlx_cache_server.serving.chat import Reply
-    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
     from mlx_cache_server.serving.tools import plan_tools
 
     hf = tokenizer[0]
@@ -225,7 +225,7 @@ def test_the_server_gives_a_forced_mistral_call_the_id_it_generated(tokenizer):
     client sends back with it renders the call as it was generated."""
     from mlx_cache_server.serving.call_history import short_id, with_short_ids
     from mlx_cache_server.serving.chat import Reply
-    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
     from mlx_cache_server.serving.tools import ToolCallText, plan_tools
 
     engine = mistral_engine(tokenizer[0])
@@ -361,7 +361,7 @@ def weather_with(prop: dict) -> dict:
 def test_what_a_markup_cannot_hold_is_forced_as_json_that_holds_it(tokenizer, prop):
     """XML parameters hold a value's type and a string enum, no more: a tool with other
     keywords gets the bare JSON call, which enforces them, and reads back as written."""
-    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
     from mlx_cache_server.serving.tools import plan_tools
 
     tool = weather_with(prop)
@@ -381,8 +381,8 @@ def test_what_a_markup_cannot_hold_is_forced_as_json_that_holds_it(tokenizer, pr
     ids=["properties list", "required objects"],
 )
 def test_malformed_parameters_are_the_clients_400_not_a_500(tokenizer, parameters):
-    from mlx_cache_server.serving.errors import APIError
-    from mlx_cache_server.serving.schemas import ChatCompletionRequest
+    from mlx_cache_server.serving.api_errors import APIError
+    from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
     from mlx_cache_server.serving.tools import plan_tools
 
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mlx_cache_server.serving import harmony
 from mlx_cache_server.serving.chat import Reply
-from mlx_cache_server.serving.schemas import ChatCompletionRequest
+from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
 from mlx_cache_server.serving.template import render
 from mlx_cache_server.serving.tools import plan_tools, tool_call
 from tests.tiny_model import SPECIAL, build_tokenizer

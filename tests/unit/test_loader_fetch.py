@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-import mlx_cache_server.server.loader as loader_module
+import mlx_cache_server.models.loader as loader_module
+from mlx_cache_server.models.loader import ModelLoader
 from mlx_cache_server.models.pool import FetchUnavailable
 from mlx_cache_server.models.specs import ModelSpec
-from mlx_cache_server.server.loader import ModelLoader
 from mlx_cache_server.settings import Settings
 
 
@@ -38,7 +38,7 @@ def test_downloads_go_one_at_a_time_and_a_model_already_here_does_not_wait(tmp_p
     monkeypatch.setattr(
         loader_module, "local_folder", lambda spec: here if spec.id == "local" else tmp_path
     )
-    loader = ModelLoader(Settings(), metrics=None, names=None)
+    loader = ModelLoader(Settings(), serve=None)
     specs = [ModelSpec("hub-1", "org/one"), ModelSpec("hub-2", "org/two")]
     threads = [threading.Thread(target=loader.fetch, args=(s,)) for s in specs]
     for t in threads:
@@ -85,7 +85,7 @@ def test_a_fetch_failing_for_now_is_told_from_one_that_cannot_succeed(tmp_path, 
 
     # The loader says so to the pool: its typed error, with the hub's message.
     monkeypatch.setattr(loader_module, "local_folder", lambda spec: None)
-    loader = ModelLoader(Settings(), metrics=None, names=None)
+    loader = ModelLoader(Settings(), serve=None)
     for name, error in errors.items():
 
         def fetched_path(spec, progress=None, error=error):

@@ -9,11 +9,11 @@ import pytest
 from pydantic import ValidationError
 
 from mlx_cache_server.engine import SamplingParams
-from mlx_cache_server.server.errors import _param
+from mlx_cache_server.server.error_handlers import _param
+from mlx_cache_server.serving.api_errors import APIError
 from mlx_cache_server.serving.defaults import SamplingDefaults
-from mlx_cache_server.serving.errors import APIError
 from mlx_cache_server.serving.limits import check_prompt_chars, sampling_params
-from mlx_cache_server.serving.schemas import (
+from mlx_cache_server.serving.openai_bodies import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,

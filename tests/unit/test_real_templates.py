@@ -17,8 +17,8 @@ import pytest
 from mlx_lm.tokenizer_utils import load
 from mlx_lm.tool_parsers import pythonic
 
-from mlx_cache_server.serving.errors import APIError
-from mlx_cache_server.serving.schemas import ChatCompletionRequest
+from mlx_cache_server.serving.api_errors import APIError
+from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
 from mlx_cache_server.serving.template import render
 from mlx_cache_server.serving.tools import plan_tools
 from tests.real_templates import REAL_TEMPLATES, write_template_tokenizer

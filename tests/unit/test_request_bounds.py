@@ -10,18 +10,18 @@ import threading
 import pytest
 
 from mlx_cache_server.engine.events import Failed, GrammarFailed, sampling_failed
+from mlx_cache_server.serving.api_errors import APIError
 from mlx_cache_server.serving.chat import check_request_chars
-from mlx_cache_server.serving.errors import APIError
 from mlx_cache_server.serving.generation import failure_status
 from mlx_cache_server.serving.limits import text_chars
-from mlx_cache_server.serving.schema_checks import check_schema
+from mlx_cache_server.serving.openai_bodies import ChatCompletionRequest
+from mlx_cache_server.serving.schema_bounds import check_schema
 from mlx_cache_server.serving.schema_costs import (
     MAX_LITERAL_CHARS,
     MAX_OPTIONAL_PROPERTIES,
     MAX_REPEAT,
     pattern_problem,
 )
-from mlx_cache_server.serving.schemas import ChatCompletionRequest
 from mlx_cache_server.serving.workers import Pool
 
 BIG = "x" * 100_000

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from mlx_cache_server.serving.errors import APIError
+from mlx_cache_server.serving.api_errors import APIError
 from mlx_cache_server.serving.response_file import stored_responses_path
 from mlx_cache_server.serving.response_store import ResponseStore
 

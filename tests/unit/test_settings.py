@@ -58,16 +58,16 @@ def test_the_ram_cache_has_a_byte_budget_that_fits_the_machine_by_default():
 
 
 def test_a_model_without_a_cache_budget_gets_the_default_and_a_set_one_wins(monkeypatch):
+    from mlx_cache_server.models.loader import ModelLoader
     from mlx_cache_server.models.specs import ModelSpec
     from mlx_cache_server.runtime import memory
-    from mlx_cache_server.server.loader import ModelLoader
 
     monkeypatch.setattr(memory, "machine_memory", lambda: 32 * 1024**3)
     spec = ModelSpec("m", "/models/m")
-    loader = ModelLoader(Settings(), metrics=None, names=None)
+    loader = ModelLoader(Settings(), serve=None)
     assert loader.settings_of(spec).cache_max_bytes == 4 * 1024**3
     assert "an eighth of the 32.0 GiB" in loader._cache_budget_origin(spec)
-    loader = ModelLoader(Settings(cache_max_bytes=1 << 20), metrics=None, names=None)
+    loader = ModelLoader(Settings(cache_max_bytes=1 << 20), serve=None)
     assert loader.settings_of(spec).cache_max_bytes == 1 << 20
     assert loader._cache_budget_origin(spec) is None
 

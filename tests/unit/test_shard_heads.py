@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_cache_server.server.sharded import check_heads
+from mlx_cache_server.models.sharding import check_heads
 
 QWEN3_5 = {"num_attention_heads": 4, "num_key_value_heads": 2, "linear_num_key_heads": 2,
            "linear_num_value_heads": 4}  # fmt: skip

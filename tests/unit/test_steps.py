@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from mlx_cache_server.engine import SamplingParams, sharded
+from mlx_cache_server.engine import SamplingParams, sharded_steps
 from mlx_cache_server.engine.request import Request
-from mlx_cache_server.engine.sharded import Diverged, FollowerSteps, LeaderSteps
+from mlx_cache_server.engine.sharded_steps import Diverged, FollowerSteps, LeaderSteps
 from mlx_cache_server.engine.steps import LocalSteps, Measured
 from tests.helpers import FakeClock
 
@@ -66,7 +66,7 @@ class Wire:
 
     def broadcast(self, group, obj):
         if obj is not None:
-            self.sent.append(pickle.dumps(obj))  # as `sharded.broadcast` sends it
+            self.sent.append(pickle.dumps(obj))  # as `sharded_steps.broadcast` sends it
             return obj
         return pickle.loads(self.sent.pop(0))
 
@@ -87,8 +87,8 @@ class Grammar:
 @pytest.fixture
 def wire(monkeypatch) -> Wire:
     w = Wire()
-    monkeypatch.setattr(sharded, "broadcast", w.broadcast)
-    monkeypatch.setattr(sharded, "build_constraint", lambda grammars, g: Grammar(g))
+    monkeypatch.setattr(sharded_steps, "broadcast", w.broadcast)
+    monkeypatch.setattr(sharded_steps, "build_constraint", lambda grammars, g: Grammar(g))
     return w
 
 
@@ -155,7 +155,7 @@ def test_a_follower_whose_cache_differs_from_the_leaders_stops(wire, monkeypatch
     follower = FollowerSteps(Group(1), cache=None, grammars=None)
     inbox.put(request())
     leader.next(busy=False)
-    monkeypatch.setattr(sharded, "step_digest", lambda cache, stats: (1, 2, 3))
+    monkeypatch.setattr(sharded_steps, "step_digest", lambda cache, stats: (1, 2, 3))
     with pytest.raises(Diverged):
         follower.next(busy=False)
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 from mlx_lm.tool_parsers import json_tools
 
-from mlx_cache_server.serving.defaults import generation_config, sampling_defaults
+from mlx_cache_server.models.folders import generation_config
+from mlx_cache_server.serving.defaults import sampling_defaults
 from mlx_cache_server.serving.tools import ToolCallText, forced_call, template_tool_calls
 from mlx_cache_server.settings import Settings
 

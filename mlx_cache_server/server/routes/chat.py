@@ -6,10 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ...serving.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse
+from ...serving.openai_bodies import ChatCompletion, ChatCompletionRequest, ErrorResponse
 from ..auth import Tenant
-from ..loading import OPENAI, respond
 from ..state import State
+from ..while_loading import OPENAI, respond
 
 router = APIRouter(tags=["chat"])
 

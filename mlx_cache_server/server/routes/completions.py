@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ...serving.schemas import Completion, CompletionRequest
+from ...serving.openai_bodies import Completion, CompletionRequest
 from ..auth import Tenant
-from ..loading import OPENAI, respond
 from ..state import State
+from ..while_loading import OPENAI, respond
 from .chat import ERRORS
 
 router = APIRouter(tags=["completions"])

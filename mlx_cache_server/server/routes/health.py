@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from ...serving.schemas import Health
+from ...serving.openai_bodies import Health
 from ..state import State
 
 router = APIRouter(tags=["health"])

@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 
 from ...serving.anthropic import CountTokensRequest, MessagesRequest
 from ..auth import Tenant
-from ..loading import ANTHROPIC, respond
 from ..state import ServerState, State
+from ..while_loading import ANTHROPIC, respond
 
 router = APIRouter(tags=["messages"])
 

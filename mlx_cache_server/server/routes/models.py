@@ -6,11 +6,11 @@ import json
 
 from fastapi import APIRouter, Depends
 
+from ...models.engine_build import CONTEXT_KEYS
+from ...models.loader import local_folder
 from ...models.pool import ModelState
-from ...serving.schemas import ModelCard, ModelList
+from ...serving.openai_bodies import ModelCard, ModelList
 from ..auth import Admin, authorize
-from ..build import CONTEXT_KEYS
-from ..loader import local_folder
 from ..state import ServerState, State, pool_errors
 
 router = APIRouter(tags=["models"], dependencies=[Depends(authorize)])

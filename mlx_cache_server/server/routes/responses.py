@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request
 
 from ...serving.responses import ResponsesRequest
 from ..auth import Tenant
-from ..loading import respond, responses
 from ..state import State
+from ..while_loading import respond, responses
 
 router = APIRouter(tags=["responses"])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse, Response
 
-from ...serving.errors import APIError
+from ...serving.api_errors import APIError
 
 STATIC = Path(__file__).resolve().parents[2] / "ui" / "static"
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",

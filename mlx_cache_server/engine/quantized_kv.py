@@ -99,8 +99,9 @@ class _Run:
         return self.next_token is None
 
 
-class Solo:
-    """The `Batch` interface (`intake`, `step`, `drop_cancelled`, `active`) for quantized KV."""
+class QuantizedKVRunner:
+    """Runs quantized-KV requests in turns, each on its own cache, behind the `Batch`
+    interface (`intake`, `step`, `drop_cancelled`, `active`)."""
 
     def __init__(
         self,
@@ -120,7 +121,7 @@ class Solo:
         self.active: dict[int, Request] = {}
         self.runs: dict[int, _Run] = {}
         self.queue: list[tuple[Request, float]] = []  # unused: prompts wait in `runs`, in order
-        self.costs = StepCosts()  # measured here: a sharded server does not run `Solo`
+        self.costs = StepCosts()  # measured here: a sharded server runs no quantized KV
         self.cost = None
         self.now = 0.0
         self._uids = itertools.count()

@@ -2,11 +2,12 @@
 
 llguidance compiles a schema by recursion on the native stack, one frame group
 per level of nesting, `$ref`s followed: a long enough chain or nesting overflows
-the stack and the process dies with SIGSEGV, every other stream with it. So a
-schema is measured here first, without recursion (a schema nested past Python's
-own recursion limit is measured as safely), and refused with a 400 that names
-the bound it passes. The compiler then runs on a thread with a stack sized for
-these bounds with a wide margin (`engine.constraint.DEEP_STACK`).
+the stack and the process dies with SIGSEGV, every other stream with it (llguidance
+1.9; `engine.constraint` says what upstream knows of it). So a schema is measured here
+first, without recursion (a schema nested past Python's own recursion limit is measured
+as safely), and refused with a 400 that names the bound it passes. The compiler then
+runs on a thread with a stack sized for these bounds with a wide margin
+(`engine.constraint.DEEP_STACK`).
 
 Also refused: what would make each token's mask costly or fail mid-reply
 (`schema_costs`: long literals and patterns, counted repetitions that multiply,
@@ -33,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
-from .errors import APIError
+from .api_errors import APIError
 from .schema_costs import check_choices, check_literals
 
 # Bounds, in schema levels and objects. bench/schema_bounds.py bisects the levels each

@@ -1,4 +1,4 @@
-"""Serving one model sharded over the processes `mlx.launch` starts (`engine.sharded`).
+"""Serving one model sharded over the processes `mlx.launch` starts (`engine.sharded_steps`).
 
 Every rank loads its shard: some heads of every layer (tensor parallel, mlx-lm's
 `Model.shard`) or, with `--pipeline`, some of the layers (`model.model.pipeline`).
@@ -69,7 +69,8 @@ def load_shard(path: str, group: mx.distributed.Group, pipeline: bool) -> tuple[
 
 def check_heads(config: dict[str, Any], processes: int) -> None:
     """mlx-lm splits every layer's heads evenly, and gives a wrong model when they do not
-    divide: refuse that with what to do instead."""
+    divide (mlx-lm 0.32; uneven splits are proposed upstream in
+    https://github.com/ml-explore/mlx-lm/pull/1863): refuse that with what to do instead."""
     text = config.get("text_config", config)
     for key, what in (
         ("num_attention_heads", "attention"),

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..serving.errors import APIError, error_body
+from ..serving.api_errors import APIError, error_body
 
 log = logging.getLogger("mlx_cache_server.errors")
 

@@ -1,5 +1,10 @@
-"""A model as the server serves it (its engine and one serving class per API), and how one
-is loaded, measured and unloaded for `ModelPool`."""
+"""How `ModelPool` fetches, opens, measures and closes a real model (`ModelLoader`), and
+where a model's files are: a folder, a GGUF file's import, a hub id's download.
+
+What a model is served as (a generating model's serving classes over its engine, an
+embedding model's over its embedder) is the caller's: `ModelLoader` is handed `serve`,
+which wraps what it loads, and reads back only what `Served` names.
+"""
 
 from __future__ import annotations
 
@@ -8,87 +13,53 @@ import gc
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..engine import Engine
-from ..models.embedding import Embedder, Pooling, sentence_transformers_pooling
-from ..models.pool import FetchUnavailable, ModelPool
-from ..models.specs import ModelNames, ModelSpec
 from ..runtime import memory
-from ..serving.anthropic import MessagesServing
-from ..serving.chat import ChatCompletionsServing
-from ..serving.completions import CompletionsServing
-from ..serving.defaults import SamplingDefaults, model_folder, sampling_defaults
-from ..serving.embeddings import EmbeddingsServing
-from ..serving.metrics import Metrics
-from ..serving.response_file import stored_responses_path
-from ..serving.response_store import ResponseStore
-from ..serving.responses import ResponsesServing
 from ..settings import Settings, default_cache_bytes, describe_size
-from .build import build_engine, context_length_of, weights_dtype
+from .embedding import Embedder, Pooling, sentence_transformers_pooling
+from .engine_build import build_engine, context_length_of, weights_dtype
+from .folders import model_folder
+from .pool import FetchUnavailable
+from .specs import ModelSpec
 
 log = logging.getLogger("mlx_cache_server")
 
 
-@dataclass(eq=False)
-class ServedModel:
-    """A loaded model: a generating model's engine and serving classes, or an embedding
-    model's (`ServerState.model` hands each request the kind its API needs)."""
+class _Describes(Protocol):
+    def describe(self) -> str: ...
+
+
+class Served(Protocol):
+    """What `ModelLoader` reads of a model it serves (`serving.served_model.ServedModel`):
+    a generating model's engine, or an embedding model's embedder."""
 
     spec: ModelSpec
     settings: Settings  # the server's, with the model's own overrides
-    engine: Engine | None = None
-    defaults: SamplingDefaults | None = None
-    chat: ChatCompletionsServing | None = None
-    completions: CompletionsServing | None = None
-    messages: MessagesServing | None = None
-    responses: ResponsesServing | None = None
-    embeddings: EmbeddingsServing | None = None
+    engine: Engine | None
+    defaults: _Describes | None  # a generating model's sampling defaults, for the log
+
+    @property
+    def embedder(self) -> Embedder | None: ...
+    def close_serving(self) -> None: ...  # what the serving classes run themselves, stopped
 
 
-def serve_engine(
-    spec: ModelSpec, engine: Engine, settings: Settings, metrics: Metrics, names: ModelNames
-) -> ServedModel:
-    """One serving class per API surface over the engine; `names`: what requests may send."""
-    defaults = sampling_defaults(settings, engine.generation_config)
-    chat = ChatCompletionsServing(engine, settings, metrics, names, defaults)
-    return ServedModel(
-        spec=spec,
-        engine=engine,
-        settings=settings,
-        defaults=defaults,
-        chat=chat,
-        completions=CompletionsServing(engine, settings, metrics, names, defaults),
-        messages=MessagesServing(chat),
-        responses=ResponsesServing(chat, _response_store(settings, engine.model_id)),
-    )
+S = TypeVar("S", bound=Served)
+# How a loaded model is served: its spec, its settings, and its engine or embedder in.
+Serve = Callable[[ModelSpec, Settings, Engine | Embedder], S]
 
 
-def _response_store(settings: Settings, model_id: str) -> ResponseStore:
-    """A model's stored responses: with a cache dir, in a file beside the disk tier."""
-    if not settings.cache_dir:
-        return ResponseStore()
-    path = stored_responses_path(settings.cache_dir, model_id)
-    return ResponseStore(path=path, model_id=model_id)
-
-
-class ModelLoader:
+class ModelLoader(Generic[S]):
     """`Loader` for real models: built by `build_engine`, counted as weights + cache + working
     memory."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        metrics: Metrics,
-        names: Callable[[ModelSpec], ModelNames],
-        group: Any = None,
-    ) -> None:
-        """`group`: the processes of a sharded server (`sharded`), this one rank 0."""
-        self.settings, self.metrics, self.names, self.group = settings, metrics, names, group
+    def __init__(self, settings: Settings, serve: Serve[S], group: Any = None) -> None:
+        """`serve`: what a loaded model is served as; `group`: the processes of a sharded
+        server (`sharding`), this one rank 0."""
+        self.settings, self.serve, self.group = settings, serve, group
         self._kinds: dict[str, str] = {}
         self._fetched: dict[str, str] = {}  # model id: the folder it was fetched to
         self._fetching = threading.Lock()
@@ -143,7 +114,7 @@ class ModelLoader:
                     raise FetchUnavailable(str(e)) from e
                 raise
 
-    def open(self, spec: ModelSpec) -> ServedModel:
+    def open(self, spec: ModelSpec) -> S:
 
         settings = self.settings_of(spec)
         # Fetched first (its files say what kind of model it is), as the pool does; again
@@ -154,16 +125,15 @@ class ModelLoader:
         pooling = self._pooling(spec, Path(path))
         self._kinds[spec.id] = "embedding" if pooling is not None else "chat"
         if pooling is not None:
-            return self._open_embedder(spec, settings, path, pooling)
+            return self.serve(spec, settings, self._open_embedder(spec, settings, path, pooling))
         engine = build_engine(settings, path, self.group)
-        served = serve_engine(spec, engine, settings, self.metrics, self.names(spec))
+        served = self.serve(spec, settings, engine)
         _describe(served, path, self._cache_budget_origin(spec))
         engine.start()
         return served
 
-    def close(self, served: ServedModel) -> None:
-        if served.embeddings is not None:
-            served.embeddings.close()  # its requests' thread, idle (it has none running)
+    def close(self, served: S) -> None:
+        served.close_serving()
         engine = served.engine
         if engine is None:
             return
@@ -186,16 +156,16 @@ class ModelLoader:
         weights = weights_on_disk(spec, self._fetched.get(spec.id))
         return weights + self._beside_weights(self.settings_of(spec), spec, embedding)
 
-    def measure(self, served: ServedModel) -> int:
+    def measure(self, served: S) -> int:
         from mlx.utils import tree_flatten
 
-        model = served.engine.model if served.engine else served.embeddings.embedder.model
+        model = served.engine.model if served.engine else served.embedder.model
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         return weights + self._beside_weights(served.settings, served.spec, served.engine is None)
 
-    def requests(self, served: ServedModel) -> int:
+    def requests(self, served: S) -> int:
         if served.engine is None:
-            return served.embeddings.embedder.in_flight
+            return served.embedder.in_flight
         engine = served.engine
         # Slots count what the server admitted; the engine's own counts also see what
         # runs without one (warm prompts) or has not left the batch yet (a cancellation).
@@ -215,7 +185,7 @@ class ModelLoader:
 
     def _open_embedder(
         self, spec: ModelSpec, settings: Settings, path: str, pooling: Pooling
-    ) -> ServedModel:
+    ) -> Embedder:
         import mlx.core as mx
         from mlx_lm import load
 
@@ -236,8 +206,7 @@ class ModelLoader:
             spec.id, path, embedder.width, pooling.mode,
             ", normalized" if pooling.normalize else "", context,
         )  # fmt: skip
-        embeddings = EmbeddingsServing(embedder, settings, self.metrics)
-        return ServedModel(spec=spec, settings=settings, embeddings=embeddings)
+        return embedder
 
     def _beside_weights(self, settings: Settings, spec: ModelSpec, embedding: bool = False) -> int:
         cache = 0 if settings.no_cache or embedding else settings.cache_max_bytes or 0
@@ -245,29 +214,9 @@ class ModelLoader:
         return cache + (working if working is not None else settings.working_memory)
 
 
-def model_pool(
-    settings: Settings,
-    specs: list[ModelSpec],
-    metrics: Metrics,
-    clock: Callable[[], float] = time.monotonic,
-    group: Any = None,
-) -> ModelPool[ServedModel]:
-    """The pool of the configured models, loaded by `ModelLoader`, none loaded yet."""
-    loader = ModelLoader(settings, metrics, lambda spec: pool.naming(spec), group)
-    pool = ModelPool(
-        specs,
-        loader,
-        budget=settings.memory_budget,
-        load_timeout=settings.model_load_timeout,
-        clock=clock,
-        answer_any=settings.answer_any_model,
-    )
-    return pool
-
-
 def model_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None) -> Path | str:
     """Where the model's MLX weights are: a folder, or a hub id for mlx-lm to fetch."""
-    from ..models.default_model import default_model_dir, gguf_model_dir
+    from .default_model import default_model_dir, gguf_model_dir
 
     if spec.path is None:
         return default_model_dir(progress)
@@ -309,7 +258,7 @@ def _bidirectional(path: str) -> bool:
 
 def local_folder(spec: ModelSpec) -> Path | None:
     """The model's folder if it is on disk already (a GGUF file's once imported)."""
-    from ..models.default_model import default_target, gguf_target
+    from .default_model import default_target, gguf_target
 
     try:
         if spec.path is None:
@@ -345,7 +294,7 @@ def _safetensors_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def _describe(served: ServedModel, path: str, budget_origin: str | None = None) -> None:
+def _describe(served: Served, path: str, budget_origin: str | None = None) -> None:
     """The startup log's lines about one model: what it runs on, samples with and caches."""
     import mlx.core as mx
 

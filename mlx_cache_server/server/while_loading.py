@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..serving.errors import APIError, error_body
+from ..serving.api_errors import APIError, error_body
 from ..serving.responses import ResponsesRequest, failed_stream
+from ..serving.served_model import ServedModel
 from ..serving.sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, SSE_DONE, EventStream
-from .errors import logged_failure, shaped
-from .loader import ServedModel
+from .error_handlers import logged_failure, shaped
 from .state import ServerState
 
 LOAD_GRACE = KEEP_ALIVE_EVERY  # seconds a stream waits for its model before it starts

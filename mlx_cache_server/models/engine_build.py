@@ -14,10 +14,8 @@ from mlx_cache_server.prompt_cache.disk import DiskTier, DiskTierBusy, DiskTierU
 
 from ..engine import Engine
 from ..engine.draft_model import DraftModel
-from ..engine.sharded import FollowerSteps, LeaderSteps, rank_bytes
-from ..engine.solo import check_quantized
-from ..models.fingerprint import kv_fingerprint
-from ..models.specs import model_id as model_id_of
+from ..engine.quantized_kv import check_quantized
+from ..engine.sharded_steps import FollowerSteps, LeaderSteps, rank_bytes
 from ..runtime import (
     cpu_activations,
     cpu_attention,
@@ -28,9 +26,11 @@ from ..runtime import (
     native,
 )
 from ..runtime.blas import describe as describe_blas
-from ..serving.defaults import generation_config, model_folder
 from ..settings import Settings
-from .sharded import load_shard
+from .fingerprint import kv_fingerprint
+from .folders import generation_config, model_folder
+from .sharding import load_shard
+from .specs import model_id as model_id_of
 
 log = logging.getLogger("mlx_cache_server")
 CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "context_length")  # configs name it so
@@ -40,7 +40,7 @@ def build_engine(
     settings: Settings, model_path: str, group: mx.distributed.Group | None = None
 ) -> Engine:
     """The engine for the model at `model_path`; with `group`, for this rank's shard of it
-    (`sharded`), its steps decided by rank 0."""
+    (`sharding`), its steps decided by rank 0."""
     from mlx_lm import load
 
     if group is None:

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 from pydantic import BaseModel
 
-from mlx_cache_server.serving.errors import APIError
-from mlx_cache_server.serving.schema_checks import MAX_DEPTH, MAX_NESTING, MAX_NODES, check_schema
+from mlx_cache_server.serving.api_errors import APIError
+from mlx_cache_server.serving.schema_bounds import MAX_DEPTH, MAX_NESTING, MAX_NODES, check_schema
 from mlx_cache_server.serving.structured import forced_call_grammar, json_grammar, tool_call_schema
 
 
@@ -250,7 +250,7 @@ def test_a_huge_required_list_is_read_once_as_the_properties_it_names():
     """The fixpoint re-checks a schema each time one it needs settles: its rule holds each
     required property once, however often `required` repeats it (once it re-read a
     500,000-name list on every check: minutes)."""
-    from mlx_cache_server.serving.schema_checks import _object_needs
+    from mlx_cache_server.serving.schema_bounds import _object_needs
 
     names = [f"p{i}" for i in range(3_000)]
     schema = {"type": "object", "properties": {n: {"type": "string"} for n in names},
