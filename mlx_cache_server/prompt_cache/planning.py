@@ -111,7 +111,7 @@ def prepare_insert(
     layout: Layout, w: Walk, n: int, cache: list[Any], measure: Callable[[Any], int]
 ) -> Prepared:
     if layout.checkpointed:
-        prep = prepare_segment(w, n, layers.kv_part(layout, cache), always_split=True)
+        prep = prepare_segment(layout.by_prefix, w, n, layers.kv_part(layout, cache), True)
         prep.checkpoint = layers.checkpoint(layout, cache)
         prep.checkpoint_nbytes = measure(prep.checkpoint) if prep.checkpoint is not None else 0
         if layout.windows:
@@ -123,7 +123,7 @@ def prepare_insert(
         return Prepared(
             entry=entry, entry_nbytes=measure(entry), entry_trimmable=layers.can_trim(entry)
         )
-    return prepare_segment(w, n, cache)
+    return prepare_segment(layout, w, n, cache)
 
 
 def window_from(layout: Layout, w: Walk, n: int, held: int) -> int:
@@ -139,12 +139,15 @@ def window_from(layout: Layout, w: Walk, n: int, held: int) -> int:
     return copy
 
 
-def prepare_segment(w: Walk, n: int, kv: list[Any], always_split: bool = False) -> Prepared:
-    """The segment of tokens [w.length, n) of the KV layers `kv`, and the halves of the edge
-    the walk stopped in (`always_split`: also when the sequence ends there)."""
+def prepare_segment(
+    layout: Layout, w: Walk, n: int, kv: list[Any], always_split: bool = False
+) -> Prepared:
+    """The segment of tokens [w.length, n) of the KV layers `kv` (of the sliceable `layout`),
+    and the halves of the edge the walk stopped in (`always_split`: also when the sequence
+    ends there)."""
     prep = Prepared(start=w.length)
     if w.length < n:
-        prep.segment = layers.slice_segment(kv, w.length, n)
+        prep.segment = layers.slice_segment(layout, kv, w.length, n)
     if w.partial and (w.length < n or always_split):
         end = w.nodes[-1]
         prep.split_of, prep.split_at = end.segment, w.length - end.start
