@@ -66,6 +66,7 @@ class FullKV:
     """A plain `KVCache` (or ours, which only join a batch differently): keys and values."""
 
     role: ClassVar[Role] = "prefix"
+    width: ClassVar[int] = 2  # arrays of a layer in a segment
 
     @property
     def stored(self) -> type:
@@ -106,6 +107,7 @@ class QuantizedKV:
     group_size: int
     bits: int
     role: ClassVar[Role] = "prefix"
+    width: ClassVar[int] = 6
 
     @property
     def stored(self) -> type:
@@ -143,14 +145,22 @@ class QuantizedKV:
         return ["QuantizedKVCache", self.group_size, self.bits]
 
 
+_PREFIX_BY_NAME: dict[str, type[FullKV] | type[QuantizedKV]] = {
+    "KVCache": FullKV,
+    "QuantizedKVCache": QuantizedKV,
+}
+
+
 def kind_from_json(item: list[Any]) -> FullKV | QuantizedKV:
     """A prefix kind from `as_json`'s form (the disk tier's files)."""
     name, group_size, bits = item
-    if name == "KVCache":
-        return FullKV()
-    if name == "QuantizedKVCache":
-        return QuantizedKV(group_size, bits)
-    raise KeyError(name)
+    return FullKV() if _PREFIX_BY_NAME[name] is FullKV else QuantizedKV(group_size, bits)
+
+
+def width_of(name: str) -> int:
+    """Arrays of a layer in a segment of the prefix kind `name` (as in `as_json`; 0: none)."""
+    cls = _PREFIX_BY_NAME.get(name)
+    return cls.width if cls is not None else 0
 
 
 def kinds_json(kinds: tuple[Any, ...]) -> str:
