@@ -12,10 +12,11 @@ kind then says how the layer is stored, by its `role`:
   n by `join`ing the KV of the last `max_size` tokens before n.
 - "state" (`Recurrent`: linear attention, Mamba, convolutions). Its state cannot be cut:
   it is stored only as a `checkpoint`, the whole state after a given token.
-- "whole" (`Whole`: anything else). Stored only with the whole sequence (`snapshot`).
+- "whole" (`Whole`: anything else, such as `CacheList`, chunked KV, a quantized window
+  or one that keeps tokens at its start). Stored only with the whole sequence.
 
-Every kind answers `snapshot` (a stored copy of the whole layer) and `stored` (the
-mlx-lm class of that copy).
+Every kind answers `Kind` (`snapshot`: a stored copy of the whole layer; `stored`: the
+mlx-lm class of that copy); those stored by token answer `ByToken` as well.
 
 Invariants:
 - Kinds are values: two layers of one class and parameters have equal kinds, which is
@@ -56,6 +57,22 @@ class Kind(Protocol):
     def stored(self) -> type: ...
 
     def snapshot(self, layer: Any) -> Any: ...
+
+
+class ByToken(Kind, Protocol):
+    """What a kind stored by token answers (roles "prefix" and "window")."""
+
+    def length(self, layer: Any) -> int:
+        """The tokens it holds, checked storable by token (ValueError saying why not)."""
+        ...
+
+    def cut(self, layer: Any, start: int, end: int) -> Arrays:
+        """A copy of its KV of tokens [start, end)."""
+        ...
+
+    def join(self, parts: list[Arrays], n: int) -> Any:
+        """A fresh layer at token `n` from the parts of segments before it, in order."""
+        ...
 
 
 # ------------------------------------------------------------------- prefix kinds
@@ -261,10 +278,11 @@ def _window(layer: Any) -> Window | Whole:
     return Window(layer.max_size) if layer.keep == 0 else Whole(RotatingKVCache)
 
 
+_FULL_KV = FullKV()
 _BY_TYPE: dict[type, Callable[[Any], Any]] = {
-    KVCache: lambda layer: FullKV(),
-    JoinedKVCache: lambda layer: FullKV(),
-    FreshKVCache: lambda layer: FullKV(),
+    KVCache: lambda layer: _FULL_KV,
+    JoinedKVCache: lambda layer: _FULL_KV,
+    FreshKVCache: lambda layer: _FULL_KV,
     QuantizedKVCache: lambda layer: QuantizedKV(layer.group_size, layer.bits),
     RotatingKVCache: _window,
 }

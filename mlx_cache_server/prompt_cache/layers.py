@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from .kinds import Arrays, Kind, Whole, kind_from_json, kind_of, kinds_json, own, views_of
+from .kinds import Arrays, Kind, Role, Whole, kind_from_json, kind_of, kinds_json, own, views_of
 
 # Per layer, the arrays of a token range, each with tokens on axis 2.
 Segment = tuple[Arrays, ...]
@@ -44,6 +44,7 @@ Mode = Literal["prefix", "checkpointed", "snapshot"]
 
 
 def _mode(kinds: tuple[Kind, ...]) -> Mode:
+    """The storage mode layers of these kinds allow."""
     if all(k.role == "prefix" for k in kinds):
         return "prefix"
     # Windows of different widths would need their KV kept over different spans of tokens.
@@ -57,8 +58,9 @@ def _mode(kinds: tuple[Kind, ...]) -> Mode:
 class Layout:
     """What a model's caches look like: each layer's kind, and so the storage mode.
 
-    A snapshot layout's kinds are all `Whole` (each layer is stored with its sequence,
-    layouts compared by class alone); a checkpointed one has no `Whole` kind."""
+    A snapshot layout's kinds are all `Whole`: each layer is stored with its sequence, so
+    two such layouts differ only where the layers' classes do. A checkpointed one has no
+    `Whole` kind."""
 
     kinds: tuple[Kind, ...]
 
@@ -92,7 +94,7 @@ class Layout:
         """The recurrent-state layers, stored only as checkpoints (checkpointed mode)."""
         return self._role("state")
 
-    def _role(self, role: str) -> tuple[int, ...]:
+    def _role(self, role: Role) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.kinds) if k.role == role)
 
     @cached_property
