@@ -14,6 +14,7 @@ from typing import Any
 
 from . import layers, planning
 from .budget import Budget
+from .held import HybridEdge
 from .ledger import Ledger
 from .radix import TOKEN, Node, Walk, add_child, split
 from .tree import ModelTree
@@ -41,23 +42,28 @@ class Attacher:
         tree.version += 1
         if not tree.layout.segmented:
             return split(end, k)
-        halves = prep.halves if prep.split_of is end.segment and prep.split_at == k else None
+        tail = end.held
+        halves = prep.halves if prep.split_of is tail.segment and prep.split_at == k else None
         if halves is None:  # another insert split this edge meanwhile
-            halves = layers.cut_segment(end.segment, 0, k), layers.cut_segment(end.segment, k)
+            halves = layers.cut_segment(tail.segment, 0, k), layers.cut_segment(tail.segment, k)
         head = split(end, k)
-        head.segment, end.segment = halves
-        head.segment_nbytes = self._measure(halves[0])
-        end.segment_nbytes = self._measure(halves[1])
-        if end.window_held > end.size:  # the window KV reaches into the head's tokens
-            over = end.window_held - end.size
-            head.window = layers.cut_segment(end.window, 0, over)
-            end.window = layers.cut_segment(end.window, over)
-            head.window_held, end.window_held = over, end.size
-            before = end.window_nbytes
-            head.window_nbytes, end.window_nbytes = map(self._measure, (head.window, end.window))
-            self._ledger.add_bytes(tree, head.window_nbytes + end.window_nbytes - before)
+        head.held = tree.edge(halves[0], self._measure(halves[0]))
+        tail.segment, tail.segment_nbytes = halves[1], self._measure(halves[1])
+        if tree.layout.checkpointed and tail.window_held > end.size:
+            # The window KV reaches into the head's tokens.
+            self._split_window(tree, head.held, tail, end.size)
             head.used = end.used
         return head
+
+    def _split_window(self, tree: ModelTree, head: HybridEdge, tail: HybridEdge, size: int) -> None:
+        """Move what `tail`'s window KV holds before its edge's last `size` tokens to `head`."""
+        over = tail.window_held - size
+        head.window = layers.cut_segment(tail.window, 0, over)
+        tail.window = layers.cut_segment(tail.window, over)
+        head.window_held, tail.window_held = over, size
+        before = tail.window_nbytes
+        head.window_nbytes, tail.window_nbytes = map(self._measure, (head.window, tail.window))
+        self._ledger.add_bytes(tree, head.window_nbytes + tail.window_nbytes - before)
 
     def segment(
         self, tree: ModelTree, parent: Node, m: int, key: bytes, prep: planning.Prepared
@@ -81,7 +87,7 @@ class Attacher:
             return False
         child = add_child(parent, key[m * TOKEN :])
         tree.version += 1
-        child.segment, child.segment_nbytes = seg, need
+        child.held = tree.edge(seg, need)
         self._ledger.add_bytes(tree, need)
         self._ledger.mark(tree, child)
         return True
@@ -95,9 +101,9 @@ class Attacher:
         ends_here = m == n
         path = _path_to(parent)
         fills = self._window_fills(path, prep)
-        need = sum(nb - node.window_nbytes for node, _, _, nb in fills)
+        need = sum(nb - node.held.window_nbytes for node, _, _, nb in fills)
         put_checkpoint = prep.checkpoint is not None and (
-            not ends_here or parent.checkpoint is None
+            not ends_here or parent.held.checkpoint is None
         )
         if put_checkpoint:
             need += prep.checkpoint_nbytes
@@ -123,13 +129,14 @@ class Attacher:
             return False
         now = self._ledger.tick()
         for node, longer, longer_held, nb in fills:
-            self._ledger.add_bytes(tree, nb - node.window_nbytes)
-            node.window, node.window_held, node.window_nbytes = longer, longer_held, nb
+            edge = node.held
+            self._ledger.add_bytes(tree, nb - edge.window_nbytes)
+            edge.window, edge.window_held, edge.window_nbytes = longer, longer_held, nb
             node.used = now
         if ends_here:
             if put_checkpoint:
-                parent.checkpoint = prep.checkpoint
-                parent.checkpoint_nbytes = prep.checkpoint_nbytes
+                parent.held.checkpoint = prep.checkpoint
+                parent.held.checkpoint_nbytes = prep.checkpoint_nbytes
                 self._ledger.add_bytes(tree, prep.checkpoint_nbytes)
             parent.used = now
             if parent.terminal:
@@ -139,12 +146,10 @@ class Attacher:
             self._ledger.unmark(tree, parent)
         child = add_child(parent, key[m * TOKEN :])
         tree.version += 1
-        child.segment, child.segment_nbytes = seg, seg_nbytes
-        child.window, child.window_held, child.window_nbytes = window, held, window_nbytes
-        if prep.checkpoint is not None:
-            child.checkpoint, child.checkpoint_nbytes = prep.checkpoint, prep.checkpoint_nbytes
+        child.held = HybridEdge(seg, seg_nbytes, window, held, window_nbytes, prep.checkpoint,
+                                prep.checkpoint_nbytes)  # fmt: skip
         child.used = now
-        self._ledger.add_bytes(tree, seg_nbytes + window_nbytes + child.checkpoint_nbytes)
+        self._ledger.add_bytes(tree, child.held.nbytes)
         self._ledger.mark(tree, child)
         return True
 
@@ -166,7 +171,7 @@ class Attacher:
             if prep.window is None or node.depth <= prep.window_from:
                 continue
             first = max(node.start, prep.window_from)
-            if node.depth - node.window_held <= first:
+            if node.depth - node.held.window_held <= first:
                 continue
             window = layers.cut_segment(
                 prep.window, first - prep.window_from, node.depth - prep.window_from
@@ -181,14 +186,13 @@ class Attacher:
         replacing one stored there; False when there is no room."""
         ends_here = m * TOKEN == len(key)
         replaces = ends_here and parent.terminal
-        old = parent.entry_nbytes if replaces else 0
-        if not self._budget.make_room(max(0, prep.entry_nbytes - old), 0 if replaces else 1):
+        old = parent.held.nbytes if replaces else 0
+        if not self._budget.make_room(max(0, prep.entry.nbytes - old), 0 if replaces else 1):
             return False
         node = parent if ends_here else add_child(parent, key[m * TOKEN :])
         tree.version += 1
-        node.entry, node.entry_nbytes = prep.entry, prep.entry_nbytes
-        node.entry_trimmable = prep.entry_trimmable
-        self._ledger.add_bytes(tree, prep.entry_nbytes - old)
+        node.held = prep.entry
+        self._ledger.add_bytes(tree, prep.entry.nbytes - old)
         if replaces:
             self._ledger.touch(node, tree)
         else:

@@ -110,7 +110,7 @@ class Budget:
             owned.append(up)
             up = up.parent
         tokens = sum(n.size for n in owned)
-        per_token = sum(n.segment_nbytes for n in owned) // tokens
+        per_token = sum(n.held.segment_nbytes for n in owned) // tokens
         if not per_token:
             return False
         cut = -(-excess // per_token)
@@ -128,13 +128,14 @@ class Budget:
             end = owned[gone]
         for dropped in owned[:gone]:
             detach(dropped)
-            self._ledger.add_bytes(tree, -dropped.segment_nbytes)
+            self._ledger.add_bytes(tree, -dropped.held.segment_nbytes)
         if part:
             keep = end.size - part
-            end.segment = layers.cut_segment(end.segment, 0, keep)
-            kept = self._measure(end.segment)
-            self._ledger.add_bytes(tree, kept - end.segment_nbytes)
-            end.segment_nbytes = kept
+            held = end.held
+            held.segment = layers.cut_segment(held.segment, 0, keep)
+            kept = self._measure(held.segment)
+            self._ledger.add_bytes(tree, kept - held.segment_nbytes)
+            held.segment_nbytes = kept
             end.edge = end.edge[: keep * TOKEN]
             end.depth -= part
         if end is not node:
@@ -155,15 +156,16 @@ class Budget:
     def _drop_loose(self, pick: tuple[Node, str, int], tree: ModelTree) -> None:
         """Free a checkpoint, or the oldest `k` tokens of a node's window KV."""
         node, what, k = pick
+        held = node.held
         if what == "checkpoint":
-            self._ledger.add_bytes(tree, -node.checkpoint_nbytes)
-            node.checkpoint, node.checkpoint_nbytes = None, 0
+            self._ledger.add_bytes(tree, -held.checkpoint_nbytes)
+            held.checkpoint, held.checkpoint_nbytes = None, 0
         else:
-            node.window_held -= k
-            node.window = layers.cut_segment(node.window, k) if node.window_held else None
-            nbytes = self._measure(node.window) if node.window is not None else 0
-            self._ledger.add_bytes(tree, nbytes - node.window_nbytes)
-            node.window_nbytes = nbytes
+            held.window_held -= k
+            held.window = layers.cut_segment(held.window, k) if held.window_held else None
+            nbytes = self._measure(held.window) if held.window is not None else 0
+            self._ledger.add_bytes(tree, nbytes - held.window_nbytes)
+            held.window_nbytes = nbytes
         tree.version += 1
 
 

@@ -1,7 +1,7 @@
 """Where a hybrid model's cache can resume, and which window KV or checkpoint goes first.
 
-In checkpointed mode (`layers.Layout.checkpointed`) a node's edge holds the KV
-layers' segment, as in prefix sharing; the window layers' KV of the edge's last
+In checkpointed mode (`layers.Layout.checkpointed`) a node holds (`held.HybridEdge`)
+its edge's KV layers' segment, as in prefix sharing; the window layers' KV of the edge's last
 `window_held` tokens (all of them, or a suffix: a window drops its oldest
 tokens as it runs, and stored window KV can be dropped for room); and may hold
 a checkpoint: the recurrent layers' state after the node's last token.
@@ -45,7 +45,7 @@ def window_covers(nodes: list[Node], n: int, span: int) -> Node | None:
             continue
         if node.depth <= lo:
             break
-        if node.depth - node.window_held > max(lo, node.start):
+        if node.depth - node.held.window_held > max(lo, node.start):
             return node
     return None
 
@@ -56,7 +56,7 @@ def resume_point(w: Walk, asked: int, span: int, states: bool) -> tuple[int, Nod
     limit = min(w.length, asked - 1)
     if states:
         for node in reversed(w.nodes):
-            if node.checkpoint is not None and 0 < node.depth <= limit:
+            if node.held.checkpoint is not None and 0 < node.depth <= limit:
                 if window_covers(w.nodes, node.depth, span) is None:
                     return node.depth, node
         return 0, None
@@ -79,8 +79,8 @@ def window_pieces(nodes: list[Node], n: int, span: int) -> list[tuple[Segment, i
     for node in nodes:
         if node.depth <= lo or node.start >= n:
             continue
-        first = node.depth - node.window_held
-        out.append((node.window, max(lo, node.start) - first, min(n, node.depth) - first))
+        first = node.depth - node.held.window_held
+        out.append((node.held.window, max(lo, node.start) - first, min(n, node.depth) - first))
     return out
 
 
@@ -107,13 +107,14 @@ def first_to_drop(nodes: Iterable[Node], span: int) -> tuple[Node, str, int] | N
     fetch pins keep both."""
     best: tuple[Node, str, int] | None = None
     for node in nodes:
-        if node.checkpoint is not None and not node.terminal and not node.pins:
+        held = node.held
+        if held.checkpoint is not None and not node.terminal and not node.pins:
             if best is None or node.used < best[0].used:
                 best = (node, "checkpoint", 0)
-        if node.window_held and not node.pins:
+        if held.window_held and not node.pins:
             need = needed_from(node, span)
-            first = node.depth - node.window_held
-            loose = node.window_held if need is None else max(0, need - first)
+            first = node.depth - held.window_held
+            loose = held.window_held if need is None else max(0, need - first)
             if loose and (best is None or node.used < best[0].used):
                 best = (node, "window", loose)
     return best

@@ -16,7 +16,7 @@ tier opens (`remove_stale`): a model or version long out of use.
 Invariants:
 - A file holds the KV of tokens [start, end) of one path, whose tokens [0, end) its
   row records. In memory the files form a radix tree per namespace (`radix.Node`),
-  each node's edge lying within one file (`node.segment` is the file): splitting
+  each node's edge lying within one file (`node.held` is the file): splitting
   a node splits a range, never a file. A file is reachable only while the files
   before it on its path are; dropping a file drops the nodes below it, and the
   files only they used.
@@ -195,7 +195,7 @@ class DiskTier:
             nodes = walk(root, key[: end * TOKEN]).nodes if root is not None else []
             total = 0
             for node in nodes:
-                f = node.segment
+                f = node.held
                 span = min(end, node.depth) - max(start, node.start)
                 if f is not None:
                     total += max(0, span) * f.nbytes // (f.end - f.start)
@@ -212,7 +212,7 @@ class DiskTier:
                 return None
             files: list[list] = []
             for node in w.nodes:
-                f = node.segment
+                f = node.held
                 lo, hi = max(start, node.start), min(end, node.depth)
                 if lo >= hi:
                     continue
@@ -220,7 +220,7 @@ class DiskTier:
                     files[-1][2] = hi
                 else:
                     files.append([f, lo, hi])
-            self._space.used([node.segment for node in w.nodes])
+            self._space.used([node.held for node in w.nodes])
         pieces = []
         for f, lo, hi in files:
             arrays = self._read(f)

@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .disk_index import SUFFIX
+from .kinds import width_of
 
 Segment = tuple[tuple[mx.array, ...], ...]
 
@@ -34,9 +35,6 @@ _DTYPES = {mx.bool_: "BOOL", mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16",
            mx.int16: "I16", mx.uint32: "U32", mx.int32: "I32", mx.uint64: "U64",
            mx.int64: "I64", mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32"}  # fmt: skip
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
-# Arrays a layer of each cache kind holds: keys and values, each an array or, quantized,
-# (data, scales, biases).
-_ARRAYS_PER_LAYER = {"KVCache": 2, "QuantizedKVCache": 6}
 
 
 class BadFile(Exception):
@@ -163,12 +161,12 @@ def _layers(arrays: dict[str, mx.array], layout: str, tokens: int) -> list[list[
     every layer, each with its kind's arrays, each over `tokens` tokens."""
     kinds = json.loads(layout)
     want = {f"{li}.{ai}" for li, (kind, *_) in enumerate(kinds)
-            for ai in range(_ARRAYS_PER_LAYER.get(kind, 0))}  # fmt: skip
+            for ai in range(width_of(kind))}  # fmt: skip
     if set(arrays) != want:
         raise BadFile("does not hold the arrays its layout has")
     if any(a.ndim < 2 or a.shape[-2] != tokens for a in arrays.values()):
         raise BadFile(f"does not hold {tokens} tokens in every array")
-    return [[arrays[f"{li}.{ai}"] for ai in range(_ARRAYS_PER_LAYER.get(kind, 0))]
+    return [[arrays[f"{li}.{ai}"] for ai in range(width_of(kind))]
             for li, (kind, *_) in enumerate(kinds)]  # fmt: skip
 
 

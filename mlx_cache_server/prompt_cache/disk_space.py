@@ -125,7 +125,7 @@ class DiskSpace:
             detach(node)
             prune(parent)
             for below in iter_nodes(node):
-                gone[below.segment] = None
+                gone[below.held] = None
         removed = 0
         for g in gone:
             if g in self.lru:
@@ -143,7 +143,7 @@ class DiskSpace:
         self.nbytes -= f.nbytes
         self._forget(f.name)
         for node in f.nodes:
-            node.segment = None
+            node.held = None
         for node in f.nodes:
             prune(node)
         self.count()

@@ -1,7 +1,7 @@
 """The disk tier's radix tree: which tokens of each path its files hold, and the gaps
 that files lost leave behind.
 
-A node lies in one file (`node.segment`, the disk tier's `DiskFile`) or in none:
+A node lies in one file (`node.held`, the disk tier's `DiskFile`) or in none:
 a gap. A gap stands for the tokens of a file that was lost (missing, truncated,
 corrupt) while files below it survived: their rows record every token of their
 paths, so the gap's tokens are known, only their KV is not. The KV below a gap is
@@ -25,13 +25,13 @@ from .radix import TOKEN, Node, Walk, add_child, detach, split, walk
 def held(w: Walk) -> int:
     """How many tokens of a walk the files hold: up to its first gap."""
     for node in w.nodes:
-        if node.segment is None:
+        if node.held is None:
             return node.start
     return w.length
 
 
 def first_gap(w: Walk) -> Node | None:
-    return next((node for node in w.nodes if node.segment is None), None)
+    return next((node for node in w.nodes if node.held is None), None)
 
 
 def attach(root: Node, f: Any, key: bytes, gap_ok: bool = False) -> Node | None:
@@ -40,7 +40,7 @@ def attach(root: Node, f: Any, key: bytes, gap_ok: bool = False) -> Node | None:
     already holds some of those tokens, or the tree does not hold the path up to
     f.start (unless `gap_ok`: then the missing part becomes a gap)."""
     w = walk(root, key[: f.end * TOKEN])
-    if any(n.segment is not None and min(n.depth, w.length) > f.start for n in w.nodes):
+    if any(n.held is not None and min(n.depth, w.length) > f.start for n in w.nodes):
         return None  # overlaps a file
     if not gap_ok and (w.length < f.start or held(w) < f.start):
         return None
@@ -48,9 +48,9 @@ def attach(root: Node, f: Any, key: bytes, gap_ok: bool = False) -> Node | None:
     if w.partial:  # the walk stops inside an edge: cut it there
         end = nodes[-1]
         head = split(end, w.length - end.start)
-        head.segment = end.segment
-        if end.segment is not None:
-            end.segment.nodes.append(head)
+        head.held = end.held
+        if end.held is not None:
+            end.held.nodes.append(head)
         nodes[-1] = head
     parent = nodes[-1] if nodes else root
     if w.length < f.start:
@@ -59,18 +59,18 @@ def attach(root: Node, f: Any, key: bytes, gap_ok: bool = False) -> Node | None:
         if node.start < f.start < node.depth:  # a gap across f's start: f fills its tail
             split(node, f.start - node.start)
         if node.start >= f.start:
-            node.segment = f
+            node.held = f
             f.nodes.append(node)
     if w.length < f.end:
         parent = add_child(parent, key[max(w.length, f.start) * TOKEN : f.end * TOKEN])
-        parent.segment = f
+        parent.held = f
         f.nodes.append(parent)
     return parent
 
 
 def prune(node: Node | None) -> None:
     """Remove `node` and the ancestors above it that are gaps left without children."""
-    while node is not None and node.parent is not None and node.segment is None:
+    while node is not None and node.parent is not None and node.held is None:
         if node.children:
             return
         parent = node.parent

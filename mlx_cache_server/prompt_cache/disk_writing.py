@@ -153,7 +153,7 @@ class DiskWriter:
             w = walk(root, key) if root is not None else None
             have = held(w) if w is not None else 0
             if have >= n:  # already on disk: only recency changes
-                self._space.used([node.segment for node in w.nodes])
+                self._space.used([node.held for node in w.nodes])
                 return False
             if self.layout is not None and layout != self.layout:
                 self._stats.skipped += 1
@@ -168,7 +168,7 @@ class DiskWriter:
                                 for layer in seg for a in layer)  # fmt: skip
             count = sum(len(layer) for layer in path[0][2]) if path else 0
             reserve = arrays_nbytes + HEADER_SLACK + ENTRY_SLACK * count
-            keep = {node.segment for node in w.nodes} if w is not None else set()
+            keep = {node.held for node in w.nodes} if w is not None else set()
             if not self._space.reserve(reserve, keep):
                 self._stats.skipped += 1
                 return False
@@ -214,7 +214,7 @@ class DiskWriter:
             self._index.insert(Row(f.name, f.namespace, f.start, f.end, tokens, f.nbytes,
                                    f.digest, layout))  # fmt: skip
             self.layout = layout
-            self._space.used([node.segment for node in walk(root, tokens).nodes])
+            self._space.used([node.held for node in walk(root, tokens).nodes])
             self._space.commit_recency()
         except sqlite3.Error as e:
             log.warning("cannot index a cache segment: %s", e)

@@ -1,20 +1,24 @@
-"""Cutting, joining and copying mlx-lm layer caches.
+"""A model's storage mode, and cutting, joining and copying mlx-lm layer caches.
 
 A prompt cache is mlx-lm's list of per-layer cache objects for one sequence
-(batch size 1). Two storage modes follow from the layer types:
+(batch size 1). Each layer's kind (`kinds.kind_of`) says how that layer can be
+stored; together they choose the model's storage mode (`Layout`):
 
-- Prefix sharing ("sliceable"): every layer is a `KVCache` or a
-  `QuantizedKVCache`. Their state is a few arrays whose axis 2 is the token
-  axis, so the KV of tokens [a, b) can be cut out and segments joined back.
-- Checkpointed (hybrid models): `KVCache` layers beside sliding windows
-  (`RotatingKVCache`, nothing kept at its start) and recurrent state
-  (`ArraysCache` and its kin: linear attention, Mamba, convolutions). The KV
-  layers are stored by prefix as above. The windows' KV is stored by token too,
-  for the tokens a window still held when it was stored, and a window is rebuilt
-  at token n from its last `max_size` tokens before n. Recurrent state cannot be
-  cut: it is stored only as checkpoints, its whole state after a given token.
-- Snapshot: anything else (`CacheList`, chunked or quantized windows, mixes of
-  those). Only whole sequences can be stored and restored.
+- Prefix sharing ("sliceable"): every layer is of a prefix kind (`KVCache`,
+  `QuantizedKVCache`), so the KV of tokens [a, b) can be cut out and segments
+  joined back.
+- Checkpointed (hybrid models): prefix kinds beside sliding windows of one width
+  and recurrent state. The KV layers are stored by prefix as above. The windows'
+  KV is stored by token too, for the tokens a window still held when it was
+  stored, and a window is rebuilt at token n from its last `max_size` tokens
+  before n. Recurrent state cannot be cut: it is stored only as checkpoints, its
+  whole state after a given token.
+- Snapshot: anything else (a layer of kind "whole", such as `CacheList` or a
+  chunked or quantized window, or windows of different widths). Only whole
+  sequences can be stored and restored.
+
+Here the mode is decided and the per-layer work handed to each layer's kind; a
+segment (per layer, its arrays with tokens on axis 2) is cut further without one.
 
 MLX arrays are immutable values, but an `mx.array` Python object is updated in
 place by `a[...] = b` (which is how `KVCache.update_and_fetch` writes). So a
@@ -26,61 +30,82 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Literal
 
 import mlx.core as mx
-from mlx.utils import tree_map
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from .joined import FreshKVCache, JoinedKVCache
+from .kinds import Arrays, Kind, Role, Whole, kind_from_json, kind_of, kinds_json, own, views_of
 
 # Per layer, the arrays of a token range, each with tokens on axis 2.
-Segment = tuple[tuple[mx.array, ...], ...]
+Segment = tuple[Arrays, ...]
 
-# By exact type: subclasses may hold more state than these arrays.
-_SLICEABLE = (KVCache, QuantizedKVCache, JoinedKVCache, FreshKVCache)
+Mode = Literal["prefix", "checkpointed", "snapshot"]
+
+
+def _mode(kinds: tuple[Kind, ...]) -> Mode:
+    """The storage mode layers of these kinds allow."""
+    if all(k.role == "prefix" for k in kinds):
+        return "prefix"
+    # Windows of different widths would need their KV kept over different spans of tokens.
+    widths = {k.max_size for k in kinds if k.role == "window"}
+    if all(k.role != "whole" for k in kinds) and len(widths) <= 1:
+        return "checkpointed"
+    return "snapshot"
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What a model's caches look like: the storage mode and each layer's kind.
+    """What a model's caches look like: each layer's kind, and so the storage mode.
 
-    `checkpointed`: a hybrid model's; its KV layers' kinds are `(cls, group_size,
-    bits)` as in a sliceable layout, a window's `(RotatingKVCache, max_size)`, a
-    recurrent state's `(cls, number of arrays)`."""
+    A snapshot layout's kinds are all `Whole`: each layer is stored with its sequence, so
+    two such layouts differ only where the layers' classes do. A checkpointed one has no
+    `Whole` kind."""
 
-    sliceable: bool
-    kinds: tuple[tuple[Any, ...], ...]
-    checkpointed: bool = False
+    kinds: tuple[Kind, ...]
+
+    @cached_property
+    def sliceable(self) -> bool:
+        """Whether every layer is stored by prefix (prefix-sharing mode)."""
+        return _mode(self.kinds) == "prefix"
+
+    @cached_property
+    def checkpointed(self) -> bool:
+        """Whether it is a hybrid model's (checkpointed mode)."""
+        return _mode(self.kinds) == "checkpointed"
 
     @property
     def segmented(self) -> bool:
         """Whether the tree's edges hold KV segments (prefix sharing, or hybrid)."""
         return self.sliceable or self.checkpointed
 
-    @property
+    @cached_property
     def kv(self) -> tuple[int, ...]:
         """The layers stored by prefix."""
-        return tuple(i for i, k in enumerate(self.kinds) if k[0] in _SLICEABLE)
+        return self._role("prefix")
 
-    @property
+    @cached_property
     def windows(self) -> tuple[int, ...]:
         """The sliding-window layers (checkpointed mode)."""
-        if not self.checkpointed:
-            return ()
-        return tuple(i for i, k in enumerate(self.kinds) if k[0] is RotatingKVCache)
+        return self._role("window")
 
-    @property
+    @cached_property
     def states(self) -> tuple[int, ...]:
         """The recurrent-state layers, stored only as checkpoints (checkpointed mode)."""
-        if not self.checkpointed:
-            return ()
-        return tuple(i for i in range(len(self.kinds)) if i not in (*self.kv, *self.windows))
+        return self._role("state")
 
-    @property
+    def _role(self, role: Role) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.kinds) if k.role == role)
+
+    @cached_property
+    def by_prefix(self) -> Layout:
+        """The layers stored by prefix alone, as a prefix-sharing layout."""
+        return self if self.sliceable else Layout(tuple(self.kinds[i] for i in self.kv))
+
+    @cached_property
     def span(self) -> int:
         """Tokens before a resume point whose window KV rebuilds every window there."""
-        return max((self.kinds[i][1] for i in self.windows), default=0)
+        return max((self.kinds[i].max_size for i in self.windows), default=0)
 
     def mode(self) -> str:
         """The storage mode in words, for the log and /v1/cache."""
@@ -94,85 +119,31 @@ class Layout:
 
 
 def layout_of(cache: list[Any]) -> Layout:
+    """The layout of a cache to store, each layer checked storable as its mode stores it."""
     if not cache:
         raise ValueError("a prompt cache must have at least one layer")
-    if all(type(c) in _SLICEABLE for c in cache):
-        kinds = []
-        for c in cache:
-            if c.keys is None:
-                raise ValueError("cannot store an empty layer cache")
-            if _arrays(c)[0].shape[0] != 1:
-                raise ValueError("only batch-size-1 caches can be stored")
-            kinds.append((_kind(c), getattr(c, "group_size", None), getattr(c, "bits", None)))
-        if len({c.offset for c in cache}) != 1:
-            raise ValueError("layers of one cache disagree on their token count")
-        return Layout(True, tuple(kinds))
-    if _hybrid(cache):
-        return _checkpointed_layout(cache)
-    return Layout(False, tuple((_kind(c),) for c in cache))
+    kinds = tuple(kind_of(c) for c in cache)
+    if _mode(kinds) == "snapshot":
+        return Layout(tuple(Whole(k.stored) for k in kinds))
+    lengths = {k.length(c) for k, c in zip(kinds, cache, strict=True)} - {None}
+    if len(lengths) > 1:
+        raise ValueError("layers of one cache disagree on their token count")
+    return Layout(kinds)
 
 
-def mode_of(cache: list[Any]) -> str:
+def mode_of(cache: list[Any]) -> Mode:
     """How a model's caches will be stored, from a fresh `make_prompt_cache` (empty layers):
     "prefix", "checkpointed" or "snapshot"."""
-    if all(type(c) in _SLICEABLE for c in cache):
-        return "prefix"
-    return "checkpointed" if _hybrid(cache) else "snapshot"
-
-
-def _hybrid(cache: list[Any]) -> bool:
-    # Windows of different widths would need their KV kept over different spans of tokens.
-    widths = {c.max_size for c in cache if type(c) is RotatingKVCache}
-    return all(_checkpointable(c) for c in cache) and len(widths) <= 1
-
-
-def _checkpointable(c: Any) -> bool:
-    if type(c) in _SLICEABLE:
-        return True
-    if type(c) is RotatingKVCache:
-        return c.keep == 0  # what `keep` holds at a window's start would need a copy of its own
-    return isinstance(c, ArraysCache)
-
-
-def _checkpointed_layout(cache: list[Any]) -> Layout:
-    kinds: list[tuple[Any, ...]] = []
-    offsets = set()
-    for c in cache:
-        if type(c) in _SLICEABLE or type(c) is RotatingKVCache:
-            if c.keys is None:
-                raise ValueError("cannot store an empty layer cache")
-            if _arrays(c)[0].shape[0] != 1:
-                raise ValueError("only batch-size-1 caches can be stored")
-            offsets.add(c.offset)
-        if type(c) is RotatingKVCache:
-            kinds.append((RotatingKVCache, c.max_size))
-        elif type(c) in _SLICEABLE:
-            kinds.append((_kind(c), getattr(c, "group_size", None), getattr(c, "bits", None)))
-        else:
-            if c.batch_size != 1:
-                raise ValueError("only batch-size-1 caches can be stored")
-            kinds.append((type(c), len(c.cache)))
-    if len(offsets) > 1:
-        raise ValueError("layers of one cache disagree on their token count")
-    return Layout(False, tuple(kinds), checkpointed=True)
-
-
-_KINDS = {cls.__name__: cls for cls in (KVCache, QuantizedKVCache)}
+    return _mode(tuple(kind_of(c) for c in cache))
 
 
 def layout_json(layout: Layout) -> str:
     """A sliceable layout as text, for the disk tier's files."""
-    return json.dumps([[cls.__name__, group, bits] for cls, group, bits in layout.kinds])
+    return kinds_json(layout.kinds)
 
 
 def layout_from_json(text: str) -> Layout:
-    kinds = tuple((_KINDS[name], group, bits) for name, group, bits in json.loads(text))
-    return Layout(True, kinds)
-
-
-def _kind(layer: Any) -> type:
-    # Our KVCache subclasses only change how a cache joins a batch: same state.
-    return KVCache if type(layer) in (JoinedKVCache, FreshKVCache) else type(layer)
+    return Layout(tuple(kind_from_json(item) for item in json.loads(text)))
 
 
 def length(cache: list[Any]) -> int | None:
@@ -185,27 +156,20 @@ def checkpoint(layout: Layout, cache: list[Any]) -> list[Any] | None:
     """Copies of the recurrent-state layers as they are (None: the layout has none)."""
     if not layout.states:
         return None
-    out = [_fresh_views(cache[i]) for i in layout.states]
+    out = [layout.kinds[i].checkpoint(cache[i]) for i in layout.states]
     _settle(arrays_in(out))
     return out
 
 
 def window_held(layout: Layout, cache: list[Any]) -> int:
     """How many of the last tokens every window layer of `cache` still holds."""
-    return min((cache[i]._temporal_order(cache[i].keys).shape[2] for i in layout.windows),
-               default=0)  # fmt: skip
+    return min((layout.kinds[i].held(cache[i]) for i in layout.windows), default=0)
 
 
 def window_segment(layout: Layout, cache: list[Any], start: int, end: int) -> Segment:
     """A copy of the window layers' KV of tokens [start, end), which they must still hold
     (`end` is the cache's length)."""
-    seg = []
-    for i in layout.windows:
-        c = cache[i]
-        keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
-        lo, hi = keys.shape[2] - (c.offset - start), keys.shape[2] - (c.offset - end)
-        seg.append((_own(keys[..., lo:hi, :]), _own(values[..., lo:hi, :])))
-    out = tuple(seg)
+    out = tuple(layout.kinds[i].cut(cache[i], start, end) for i in layout.windows)
     _settle(out)
     return out
 
@@ -213,18 +177,9 @@ def window_segment(layout: Layout, cache: list[Any], start: int, end: int) -> Se
 def rebuild_windows(layout: Layout, pieces: list[tuple[Segment, int, int]], n: int) -> list[Any]:
     """Fresh window layers at token `n`, from the window KV of the `min(n, layout.span)`
     tokens before it: (segment, from, to) ranges of stored window segments, in order."""
-    out = []
-    for li, i in enumerate(layout.windows):
-        size = layout.kinds[i][1]
-        keep = min(n, size)
-        keys, values = (mx.concatenate([seg[li][a][..., lo:hi, :] for seg, lo, hi in pieces],
-                                       axis=2)[..., -keep:, :]
-                        for a in (0, 1))  # fmt: skip
-        layer = RotatingKVCache(size)
-        layer.keys, layer.values = _own(keys), _own(values)
-        layer.offset, layer._idx = n, keep
-        out.append(layer)
-    return out
+    return [layout.kinds[i].join([tuple(a[..., lo:hi, :] for a in seg[li])
+                                  for seg, lo, hi in pieces], n)
+            for li, i in enumerate(layout.windows)]  # fmt: skip
 
 
 def assemble_checkpointed(
@@ -238,7 +193,7 @@ def assemble_checkpointed(
     windows rebuilt from `windows` (see `rebuild_windows`), the recurrent states restored
     from the checkpoint `saved`."""
     kv = layout.kv
-    joined = iter(assemble(Layout(True, tuple(layout.kinds[i] for i in kv)), pieces) if kv else [])
+    joined = iter(assemble(layout.by_prefix, pieces) if kv else [])
     rebuilt = iter(rebuild_windows(layout, windows, n))
     restored = iter(clone(saved) if saved is not None else [])
     kinds = {**dict.fromkeys(kv, joined), **dict.fromkeys(layout.windows, rebuilt)}
@@ -246,14 +201,8 @@ def assemble_checkpointed(
 
 
 def kv_part(layout: Layout, cache: list[Any]) -> list[Any]:
-    """The layers a layout stores by prefix."""
+    """The layers a layout stores by prefix (those of `layout.by_prefix`)."""
     return [cache[i] for i in layout.kv] if layout.checkpointed else cache
-
-
-def _arrays(layer: Any) -> tuple[mx.array, ...]:
-    if type(layer) is not QuantizedKVCache:
-        return (layer.keys, layer.values)
-    return (*layer.keys, *layer.values)
 
 
 def _settle(arrays: Any) -> None:
@@ -265,22 +214,16 @@ def _settle(arrays: Any) -> None:
     mx.eval(arrays)
 
 
-def _own(a: mx.array) -> mx.array:
-    # A slice shares its source's buffer; contiguous() copies it into one of
-    # its own, so a stored range does not keep the whole source alive.
-    return mx.contiguous(a)
-
-
-def slice_segment(cache: list[Any], start: int, end: int) -> Segment:
-    """A copy of the KV of tokens [start, end) of a sliceable cache."""
-    seg = tuple(tuple(_own(a[..., start:end, :]) for a in _arrays(c)) for c in cache)
+def slice_segment(layout: Layout, cache: list[Any], start: int, end: int) -> Segment:
+    """A copy of the KV of tokens [start, end) of a cache of a sliceable `layout`."""
+    seg = tuple(kind.cut(c, start, end) for kind, c in zip(layout.kinds, cache, strict=True))
     _settle(seg)
     return seg
 
 
 def cut_segment(seg: Segment, start: int, end: int | None = None) -> Segment:
     """A copy of tokens [start, end) of a segment."""
-    out = tuple(tuple(_own(a[..., start:end, :]) for a in layer) for layer in seg)
+    out = tuple(tuple(own(a[..., start:end, :]) for a in layer) for layer in seg)
     _settle(out)
     return out
 
@@ -310,50 +253,20 @@ def assemble(layout: Layout, pieces: list[tuple[Segment, int]]) -> list[Any]:
     they are used), quantized ones lazy concatenations that MLX evaluates on use.
     """
     total = sum(take for _, take in pieces)
-    cache = []
-    for li, (cls, group_size, bits) in enumerate(layout.kinds):
-        parts = [[seg[li][ai][..., :take, :] for seg, take in pieces]
-                 for ai in range(len(pieces[0][0][li]))]  # fmt: skip
-        if cls is KVCache:
-            cache.append(JoinedKVCache(*parts))
-            continue
-        layer = QuantizedKVCache(group_size=group_size, bits=bits)
-        arrays = [p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in parts]
-        half = len(arrays) // 2
-        layer.keys, layer.values = tuple(arrays[:half]), tuple(arrays[half:])
-        layer.offset = total
-        cache.append(layer)
-    return cache
-
-
-def _fresh_views(layer: Any) -> Any:
-    state = tree_map(lambda a: a[...] if isinstance(a, mx.array) else a, layer.state)
-    return type(layer).from_state(state)
+    return [kind.join([tuple(a[..., :take, :] for a in seg[li]) for seg, take in pieces], total)
+            for li, kind in enumerate(layout.kinds)]  # fmt: skip
 
 
 def snapshot(cache: list[Any]) -> list[Any]:
     """A stored copy of a whole cache: KV layers cut to their tokens, others as views."""
-    out = []
-    for c in cache:
-        if type(c) in _SLICEABLE and c.keys is not None:
-            arrays = [_own(a[..., : c.offset, :]) for a in _arrays(c)]
-            if type(c) is QuantizedKVCache:
-                layer = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-                layer.keys, layer.values = tuple(arrays[:3]), tuple(arrays[3:])
-            else:
-                layer = KVCache()
-                layer.keys, layer.values = arrays
-            layer.offset = c.offset
-            out.append(layer)
-        else:
-            out.append(_fresh_views(c))
+    out = [kind_of(c).snapshot(c) for c in cache]
     _settle(arrays_in(out))
     return out
 
 
 def clone(snap: list[Any]) -> list[Any]:
     """A cache the caller owns, restored from a snapshot without copying buffers."""
-    return [_fresh_views(c) for c in snap]
+    return [views_of(c) for c in snap]
 
 
 def can_trim(cache: list[Any]) -> bool:

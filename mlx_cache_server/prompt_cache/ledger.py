@@ -3,7 +3,7 @@ which are pinned, kept in step with every change to its trees.
 
 Invariants (each holds whenever the cache's lock is free):
 - `nbytes` is the sum of every tree's `stats.bytes`, and each tree's is the sum of what
-  its nodes hold (`segment_nbytes`, `entry_nbytes`, `checkpoint_nbytes`, `window_nbytes`).
+  its nodes hold (each one's `held.nbytes`, see `held`).
 - A node is in the LRU order exactly while it is `terminal`, and each tree's
   `stats.sequences` counts its terminal nodes.
 - A node with `pins > 0` stays in its tree; an unpinned node that holds nothing for a
@@ -65,8 +65,9 @@ class Ledger:
     def drop(self, tree: ModelTree, node: Node) -> None:
         """Remove the sequence ending at `node`, and the nodes only it needed."""
         self.unmark(tree, node)
-        self.add_bytes(tree, -node.entry_nbytes)
-        node.entry, node.entry_nbytes = None, 0
+        if node.held is not None and node.held.alone:
+            self.add_bytes(tree, -node.held.nbytes)
+            node.held = None
         self.prune(tree, node)
 
     def prune(self, tree: ModelTree, node: Node) -> None:
@@ -75,8 +76,7 @@ class Ledger:
             parent = node.parent
             detach(node)
             tree.version += 1
-            self.add_bytes(tree, -(node.segment_nbytes + node.checkpoint_nbytes
-                                   + node.window_nbytes))  # fmt: skip
+            self.add_bytes(tree, -(node.held.nbytes if node.held is not None else 0))
             node = parent
 
     def add_bytes(self, tree: ModelTree, delta: int) -> None:

@@ -308,7 +308,8 @@ class PromptCache:
             elif self.disk is not None and layout.sliceable and w2.length < n:
                 # Behind the RAM tier: the disk writes what it lacks of the path, which
                 # may be more than this insert added (the disk drops files on its own).
-                path = [(nd.start, nd.depth, nd.segment) for nd in walk(tree.root, key).nodes]
+                path = [(nd.start, nd.depth, nd.held.segment)
+                        for nd in walk(tree.root, key).nodes]  # fmt: skip
                 self.disk.put(model, key, path, layers.layout_json(layout))
             return stored
 

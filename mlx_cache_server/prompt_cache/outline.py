@@ -47,7 +47,7 @@ def branches_in(top: list[Branch]) -> list[Branch]:
 
 
 def own_bytes(node: Node) -> int:
-    return node.segment_nbytes + node.entry_nbytes + node.checkpoint_nbytes + node.window_nbytes
+    return node.held.nbytes if node.held is not None else 0
 
 
 def outline(root: Node, max_nodes: int = 100, preview: int = 24) -> tuple[list[Branch], int]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import checkpoints, layers
+from .held import Entry
 from .layers import Layout
 from .radix import Node, Walk, nearest
 
@@ -41,7 +42,7 @@ def plan_segments(w: Walk, asked: int) -> Plan | None:
         if node.start >= n:
             break
         pinned.append(node)
-        pieces.append((node.segment, min(node.depth, n) - node.start))
+        pieces.append((node.held.segment, min(node.depth, n) - node.start))
     end = w.nodes[-1]
     if end.terminal and w.length == end.depth:
         kind: Kind = "exact" if w.length == asked else "shorter"
@@ -61,7 +62,7 @@ def plan_checkpointed(layout: Layout, w: Walk, asked: int) -> Plan | None:
         return None
     plan = plan_segments(w, n + 1)  # the KV layers' pieces up to `n`, kind and use as there
     plan.n = n
-    plan.saved = resumed.checkpoint if resumed is not None else None
+    plan.saved = resumed.held.checkpoint if resumed is not None else None
     plan.windows = checkpoints.window_pieces(w.nodes, n, layout.span)
     end = w.nodes[-1]
     if end.terminal and w.length == end.depth:
@@ -75,17 +76,19 @@ def plan_snapshot(w: Walk, asked: int) -> Plan | None:
     for node in reversed(w.nodes):
         if not node.terminal or node.depth > w.length:
             continue
+        entry = node.held
         if node.depth <= limit:
-            best = Plan("shorter", node.depth, [node], node, entry=node.entry)
+            best = Plan("shorter", node.depth, [node], node, entry=entry.cache)
             break
-        if node.entry_trimmable:  # the exact sequence, trimmed by its last token
-            best = Plan("exact", limit, [node], node, entry=node.entry, trim=node.depth - limit)
+        if entry.trimmable:  # the exact sequence, trimmed by its last token
+            best = Plan("exact", limit, [node], node, entry=entry.cache, trim=node.depth - limit)
             break
     n = min(w.length, limit)
     if w.nodes and n > (best.n if best else 0):
-        longer = nearest(w.nodes[-1], lambda x: x.terminal and x.depth > n and x.entry_trimmable)
+        longer = nearest(w.nodes[-1], lambda x: x.terminal and x.depth > n and x.held.trimmable)
         if longer is not None:
-            best = Plan("longer", n, [longer], longer, entry=longer.entry, trim=longer.depth - n)
+            best = Plan("longer", n, [longer], longer, entry=longer.held.cache,
+                        trim=longer.depth - n)  # fmt: skip
     return best
 
 
@@ -98,9 +101,7 @@ class Prepared:
     split_of: Any = None
     split_at: int = 0
     halves: tuple[layers.Segment, layers.Segment] | None = None
-    entry: list[Any] | None = None
-    entry_nbytes: int = 0
-    entry_trimmable: bool = False
+    entry: Entry | None = None  # snapshot mode: the whole sequence's cache
     checkpoint: list[Any] | None = None
     checkpoint_nbytes: int = 0
     window: layers.Segment | None = None  # the window layers' KV of tokens [window_from, n)
@@ -111,7 +112,7 @@ def prepare_insert(
     layout: Layout, w: Walk, n: int, cache: list[Any], measure: Callable[[Any], int]
 ) -> Prepared:
     if layout.checkpointed:
-        prep = prepare_segment(w, n, layers.kv_part(layout, cache), always_split=True)
+        prep = prepare_segment(layout.by_prefix, w, n, layers.kv_part(layout, cache), True)
         prep.checkpoint = layers.checkpoint(layout, cache)
         prep.checkpoint_nbytes = measure(prep.checkpoint) if prep.checkpoint is not None else 0
         if layout.windows:
@@ -120,10 +121,8 @@ def prepare_insert(
         return prep
     if not layout.sliceable:
         entry = layers.snapshot(cache)
-        return Prepared(
-            entry=entry, entry_nbytes=measure(entry), entry_trimmable=layers.can_trim(entry)
-        )
-    return prepare_segment(w, n, cache)
+        return Prepared(entry=Entry(entry, measure(entry), layers.can_trim(entry)))
+    return prepare_segment(layout, w, n, cache)
 
 
 def window_from(layout: Layout, w: Walk, n: int, held: int) -> int:
@@ -134,22 +133,25 @@ def window_from(layout: Layout, w: Walk, n: int, held: int) -> int:
     copy = max(first, w.length)
     for node in w.nodes:
         lo, hi = max(node.start, first), min(node.depth, w.length)
-        if lo < hi and node.depth - node.window_held > lo:  # it lacks some of [lo, hi)
+        if lo < hi and node.depth - node.held.window_held > lo:  # it lacks some of [lo, hi)
             copy = min(copy, lo)
     return copy
 
 
-def prepare_segment(w: Walk, n: int, kv: list[Any], always_split: bool = False) -> Prepared:
-    """The segment of tokens [w.length, n) of the KV layers `kv`, and the halves of the edge
-    the walk stopped in (`always_split`: also when the sequence ends there)."""
+def prepare_segment(
+    layout: Layout, w: Walk, n: int, kv: list[Any], always_split: bool = False
+) -> Prepared:
+    """The segment of tokens [w.length, n) of the KV layers `kv` (of the sliceable `layout`),
+    and the halves of the edge the walk stopped in (`always_split`: also when the sequence
+    ends there)."""
     prep = Prepared(start=w.length)
     if w.length < n:
-        prep.segment = layers.slice_segment(kv, w.length, n)
+        prep.segment = layers.slice_segment(layout, kv, w.length, n)
     if w.partial and (w.length < n or always_split):
         end = w.nodes[-1]
-        prep.split_of, prep.split_at = end.segment, w.length - end.start
+        prep.split_of, prep.split_at = end.held.segment, w.length - end.start
         prep.halves = (
-            layers.cut_segment(end.segment, 0, prep.split_at),
-            layers.cut_segment(end.segment, prep.split_at),
+            layers.cut_segment(end.held.segment, 0, prep.split_at),
+            layers.cut_segment(end.held.segment, prep.split_at),
         )
     return prep

@@ -1,7 +1,8 @@
 """A radix tree (compressed trie) over token sequences.
 
-The tree only indexes tokens; what a node carries (`segment`, `entry`) is
-opaque to it and managed by `mlx_cache_server.prompt_cache.manager`.
+The tree only indexes tokens; what a node carries (`held`) is opaque to it and
+managed by its owner: a model's tree in the cache (`mlx_cache_server.prompt_cache.held`)
+or the disk tier's (`mlx_cache_server.prompt_cache.disk_tree`).
 
 Invariants:
 - Every node but the root has a non-empty edge (`tokens`). The children of a
@@ -88,17 +89,8 @@ class Node:
     parent: Node | None = None
     depth: int = 0
     children: dict[bytes, Node] = field(default_factory=dict)  # keyed by first packed token
-    segment: Any = None  # the KV state of this edge's tokens (prefix-sharing mode)
-    segment_nbytes: int = 0
-    entry: Any = None  # a whole-sequence snapshot ending here (snapshot mode)
-    entry_nbytes: int = 0
-    entry_trimmable: bool = False
-    checkpoint: Any = None  # a hybrid model's recurrent state after this edge (checkpointed mode)
-    checkpoint_nbytes: int = 0
-    window: Any = None  # its window layers' KV of this edge's last `window_held` tokens
-    window_held: int = 0
-    window_nbytes: int = 0
-    used: int = 0  # when its checkpoint or window was last stored or resumed from (a clock)
+    held: Any = None  # what its tree's owner keeps for this edge (opaque here)
+    used: int = 0  # when what it holds was last stored, used or resumed from (a clock)
     terminal: bool = False  # a cached sequence ends here
     pins: int = 0  # running fetches/inserts using this node; it is not removed while > 0
     hits: int = 0  # fetches that reused this edge (shown by `outline`)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from .layers import Layout
+from .held import Edge, HybridEdge
+from .layers import Layout, Segment
 from .radix import Node
 
 
@@ -50,3 +51,8 @@ class ModelTree:
     stats: CacheStats  # the model's counters, which outlive its tree (see clear)
     root: Node = field(default_factory=lambda: Node(edge=b""))
     version: int = 0  # bumped by every change to the tree's shape
+
+    def edge(self, segment: Segment, nbytes: int) -> Edge:
+        """What a new edge of this (segmented) tree holds: its KV `segment` of `nbytes`, with
+        room for window KV and a checkpoint when the model is hybrid."""
+        return HybridEdge(segment, nbytes) if self.layout.checkpointed else Edge(segment, nbytes)

@@ -74,7 +74,7 @@ def test_sixteen_threads_hammering_one_cache():
     total = 0
     for model in cache.models():
         nodes = list(iter_nodes(cache._trees[model].root))
-        model_bytes = sum(n.segment_nbytes for n in nodes)
+        model_bytes = sum(n.held.segment_nbytes for n in nodes)
         assert model_bytes == cache.stats(model).bytes
         assert all(n.pins == 0 for n in nodes)
         assert all(n.children or n.terminal for n in nodes)

@@ -45,7 +45,7 @@ def reachable(cache: PromptCache) -> tuple[int, int, set[int]]:
     nbytes, sequences, ids = 0, 0, set()
     for model in cache.models():
         for node in iter_nodes(cache._trees[model].root):
-            nbytes += node.segment_nbytes + node.entry_nbytes
+            nbytes += node.held.nbytes if node.held is not None else 0
             sequences += node.terminal
             ids.add(id(node))
     return nbytes, sequences, ids

@@ -69,7 +69,7 @@ SYSTEM = list(range(10, 40))
 
 
 def stored_bytes(node) -> int:
-    return node.segment_nbytes + node.checkpoint_nbytes + node.window_nbytes
+    return node.held.segment_nbytes + node.held.checkpoint_nbytes + node.held.window_nbytes
 
 
 def test_the_layout_says_what_is_checkpointed():
@@ -112,12 +112,13 @@ def test_two_conversations_share_the_attention_kv_of_a_checkpointed_prefix():
     assert found.n_cached == len(SYSTEM) and same_as_fresh(found.cache, SYSTEM)
     cache.insert("h", b, hybrid_cache(b))
     nodes = list(iter_nodes(cache._trees["h"].root))
-    kv_bytes = sum(n.segment_nbytes for n in nodes)
+    kv_bytes = sum(n.held.segment_nbytes for n in nodes)
     per_token = kv_bytes // (len(SYSTEM) + 3 + 4)
     assert per_token * (len(SYSTEM) + 3 + 4) == kv_bytes  # the prefix's KV is stored once
-    assert sorted(n.depth for n in nodes if n.checkpoint is not None) == [
+    assert sorted(n.depth for n in nodes if n.held.checkpoint is not None) == [
         len(SYSTEM), len(a), len(b)]  # fmt: skip
-    assert cache.nbytes == kv_bytes + sum(n.checkpoint_nbytes + n.window_nbytes for n in nodes)
+    held = sum(n.held.checkpoint_nbytes + n.held.window_nbytes for n in nodes)
+    assert cache.nbytes == kv_bytes + held
 
 
 def test_the_caller_owns_what_it_fetched():
@@ -144,7 +145,7 @@ def test_a_long_conversation_drops_its_least_used_checkpoints_to_go_on():
         found = cache.fetch("h", tokens + [0])
         assert found.n_cached == len(tokens) and same_as_fresh(found.cache, tokens)
     nodes = list(iter_nodes(cache._trees["h"].root))
-    held = sorted(n.depth for n in nodes if n.checkpoint is not None)
+    held = sorted(n.depth for n in nodes if n.held.checkpoint is not None)
     assert held[-1] == len(tokens) and len(held) < 13  # the end kept; older ones gone
     assert cache.nbytes == sum(stored_bytes(n) for n in nodes)
 
@@ -210,7 +211,7 @@ class HybridCacheHolds(RuleBasedStateMachine):
         nodes = list(iter_nodes(tree.root)) if tree is not None else []
         total = sum(stored_bytes(n) for n in nodes)
         assert self.cache.nbytes == total <= self.budget
-        assert all(n.pins == 0 and n.window_held <= n.size for n in nodes)
+        assert all(n.pins == 0 and n.held.window_held <= n.size for n in nodes)
 
     @invariant()
     def every_cached_sequence_resumes_at_its_end(self):
@@ -358,8 +359,8 @@ def test_two_conversations_store_the_window_kv_of_their_shared_prefix_once():
     two = hybrid_cache([1, 2], chunk=2, state=False)[1]  # a window holding two tokens
     per_token = (two.keys.nbytes + two.values.nbytes) // 2
     # Every token's window KV at most once: the system prompt's, then each branch's.
-    assert sum(n.window_nbytes for n in nodes) == per_token * (len(SYSTEM) + 3 + 4)
-    assert all(n.window_held <= n.size for n in nodes)
+    assert sum(n.held.window_nbytes for n in nodes) == per_token * (len(SYSTEM) + 3 + 4)
+    assert all(n.held.window_held <= n.size for n in nodes)
 
 
 def test_a_long_conversation_of_a_window_model_drops_old_window_kv_to_go_on():
@@ -376,7 +377,7 @@ def test_a_long_conversation_of_a_window_model_drops_old_window_kv_to_go_on():
         found = cache.fetch("w", tokens + [0])
         assert found.n_cached == len(tokens) and same_as_fresh(found.cache, tokens)
     nodes = list(iter_nodes(cache._trees["w"].root))
-    assert sum(n.window_held for n in nodes) < len(tokens)  # old window KV went first
+    assert sum(n.held.window_held for n in nodes) < len(tokens)  # old window KV went first
     assert cache.nbytes == sum(stored_bytes(n) for n in nodes)
 
 

@@ -168,7 +168,7 @@ class CacheMatchesReference(RuleBasedStateMachine):
         for model in self.cache.models():
             root = self.cache._trees[model].root
             nodes = list(iter_nodes(root))
-            assert sum(n.segment_nbytes for n in nodes) == self.cache.stats(model).bytes
+            assert sum(n.held.segment_nbytes for n in nodes) == self.cache.stats(model).bytes
             assert all(n.pins == 0 for n in nodes)
             assert all(n.children or n.terminal for n in nodes)  # nothing left dangling
 
