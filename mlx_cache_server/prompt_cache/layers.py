@@ -32,6 +32,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from ..mlx_adapter.windows import window_in_order
 from .joined import FreshKVCache, JoinedKVCache
 
 # Per layer, the arrays of a token range, each with tokens on axis 2.
@@ -192,7 +193,7 @@ def checkpoint(layout: Layout, cache: list[Any]) -> list[Any] | None:
 
 def window_held(layout: Layout, cache: list[Any]) -> int:
     """How many of the last tokens every window layer of `cache` still holds."""
-    return min((cache[i]._temporal_order(cache[i].keys).shape[2] for i in layout.windows),
+    return min((window_in_order(cache[i], cache[i].keys).shape[2] for i in layout.windows),
                default=0)  # fmt: skip
 
 
@@ -202,7 +203,7 @@ def window_segment(layout: Layout, cache: list[Any], start: int, end: int) -> Se
     seg = []
     for i in layout.windows:
         c = cache[i]
-        keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
+        keys, values = window_in_order(c, c.keys), window_in_order(c, c.values)
         lo, hi = keys.shape[2] - (c.offset - start), keys.shape[2] - (c.offset - end)
         seg.append((_own(keys[..., lo:hi, :]), _own(values[..., lo:hi, :])))
     out = tuple(seg)

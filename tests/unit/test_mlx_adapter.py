@@ -1,6 +1,6 @@
 """The installed mlx-lm against the places we set its internals.
 
-`mlx_cache_server.prompt_cache.mlx_lm_batch.batch_over` builds a `BatchKVCache` over buffers we
+`mlx_cache_server.mlx_adapter.batch_cache.batch_over` builds a `BatchKVCache` over buffers we
 filled ourselves. If an mlx-lm release changes what its batch cache keeps, the
 batch built here must stop passing for the one mlx-lm builds: these tests say so.
 The engine's side batch starts `BatchGenerator`'s uid counter where the main
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlx_cache_server.prompt_cache.mlx_lm_batch import batch_over, filled
+from mlx_cache_server.mlx_adapter.batch_cache import batch_over, filled
 from tests.fakes import kv_cache
 
 
