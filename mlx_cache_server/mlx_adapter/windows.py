@@ -2,7 +2,8 @@
 
 A rotating layer writes its window as a ring: once full, a token's KV overwrites the
 oldest one's, so the buffer's order is not the tokens'. mlx-lm puts it back in order with
-a private method (`_temporal_order`), which is all these functions call.
+a private method (`_temporal_order`), and keeps where the ring is written next in a
+private fill index (`_idx`): these functions are all that touch them.
 
 mlx-lm 0.32's `BatchRotatingKVCache.make_mask` for a chunk of several tokens reads the
 window's fill index before the update puts a rotated window back in order: after a step
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchRotatingKVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 
 def in_order(caches: list[Any]) -> None:
@@ -35,3 +36,13 @@ def window_in_order(layer: Any, buffer: mx.array) -> mx.array:
     """A lone rotating layer's `buffer` (its keys or values) in token order, the tokens it
     holds only; the layer itself is not changed."""
     return layer._temporal_order(buffer)
+
+
+def window_over(size: int, keys: mx.array, values: mx.array, offset: int) -> RotatingKVCache:
+    """A lone rotating layer of `size` at token `offset`, holding `keys`/`values` (the KV
+    of its last tokens, in order, at most `size`) as its buffers, filled to their end:
+    mlx-lm sets the fill index (`_idx`) only through its own updates."""
+    layer = RotatingKVCache(size)
+    layer.keys, layer.values = keys, values
+    layer.offset, layer._idx = offset, keys.shape[2]
+    return layer

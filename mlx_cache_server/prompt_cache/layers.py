@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from ..mlx_adapter.windows import window_in_order
+from ..mlx_adapter.windows import window_in_order, window_over
 from .joined import FreshKVCache, JoinedKVCache
 
 # Per layer, the arrays of a token range, each with tokens on axis 2.
@@ -221,10 +221,7 @@ def rebuild_windows(layout: Layout, pieces: list[tuple[Segment, int, int]], n: i
         keys, values = (mx.concatenate([seg[li][a][..., lo:hi, :] for seg, lo, hi in pieces],
                                        axis=2)[..., -keep:, :]
                         for a in (0, 1))  # fmt: skip
-        layer = RotatingKVCache(size)
-        layer.keys, layer.values = _own(keys), _own(values)
-        layer.offset, layer._idx = n, keep
-        out.append(layer)
+        out.append(window_over(size, _own(keys), _own(values), n))
     return out
 
 
