@@ -9,8 +9,9 @@ mlx-lm 0.32's `BatchRotatingKVCache.make_mask` for a chunk of several tokens rea
 window's fill index before the update puts a rotated window back in order: after a step
 in which every prompt took one token (a hybrid model's prompt cut at its checkpoints can
 make one), a padded prompt's mask is off by one and its tokens wrong. No upstream issue or
-pull request reports it (searched ml-explore/mlx-lm's issues and code, 2026-12; the
-nearest is PR #738, "Fix sliding window batching", before 0.32). A step of ours puts the
+pull request reports it that we found (searched ml-explore/mlx-lm's issues, pull requests
+and code); https://github.com/ml-explore/mlx-lm/pull/738 ("Fix sliding window batching")
+fixed other cases in the same cache, not this one. A step of ours puts the
 prompt batch's windows in order before it prefills several tokens (`in_order`), as the
 update would, which makes the mask right; tests/unit/test_mlx_adapter.py reproduces the
 defect and fails once a release fixes it, when the correction can go.
