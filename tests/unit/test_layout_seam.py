@@ -1,7 +1,7 @@
 """The one seam to mlx-lm (`mlx_cache_server/mlx_adapter/`): outside it, nothing of ours
 imports a private name of mlx's or mlx-lm's, reads or sets `x._name` that our code
 defines nowhere (a third party's private attribute), assigns `__class__`, or sets or
-deletes an attribute of an imported module (`mod.f = ...`, `setattr(mod, ...)`). Read
+deletes an attribute of a third party's module (`mod.f = ...`, `setattr(mod, ...)`). Read
 with `ast`, as the code is; the import rules of the seam are test_layout.py's."""
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def module_names(tree: ast.Module, is_module) -> set[str]:
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.asname or a.name.split(".")[0] for a in node.names}
+            out |= {a.asname or a.name.split(".")[0] for a in node.names
+                    if a.name.split(".")[0] not in PACKAGES}  # fmt: skip
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             out |= {a.asname or a.name for a in node.names if is_module(f"{node.module}.{a.name}")}
         elif isinstance(node, ast.Assign) and loads_a_module(node.value):
@@ -117,7 +118,7 @@ def is_third_party_module(name: str) -> bool:
     import importlib.util
 
     if name.split(".")[0] in PACKAGES:
-        return name in modules() or f"{name}.__init__" in modules()
+        return False  # ours: setting a flag of our own module is not reaching into theirs
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError, AttributeError):
