@@ -166,7 +166,7 @@ def pass_cost(context: int = 1500, rows=(1, 2, 4, 8), positions=(1, 2, 4, 8, 16)
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_cache_server.engine.last_logits import positions_logits
+    from mlx_cache_server.mlx_adapter.last_logits import positions_logits
     from mlx_cache_server.runtime import cpu_fast_path
     from mlx_cache_server.runtime.live_positions import live_positions
 

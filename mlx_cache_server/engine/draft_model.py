@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .gapped_cache import GappedKVCache
+from ..mlx_adapter.gapped_cache import GappedKVCache
 
 CHUNK = 512  # tokens the draft model takes in at once while catching a stream up
 # Tokens a row takes in at once after that: at most as many queries a sequence as our CPU

@@ -8,17 +8,19 @@ streams' rows cost a few more rows of the chunk's matrices instead of a pass of 
 own, so the steps the streams wait for between two tokens are shorter and the prompt
 reaches its first token sooner.
 
-It is the same step otherwise: the generator's own `_next` decides it, the chunk is the
-one that step would prefill (`_chunk_beside` reads it from the same state, before the
-step), and only the two model calls are replaced, the streams' by the pass over both
-and the prompt's by the bookkeeping mlx-lm's `PromptProcessingBatch.prompt` does
+It is the same step otherwise: the adapter's step (`StepGenerator.step`, mlx-lm's own,
+written there) decides it, the chunk is the one that step would prefill (`_chunk_beside`
+reads it from the same state, before the step), and only the step's two model calls
+differ: the streams' `decode` runs the pass over both (`decode_through`), and the
+prompt's `prefill` does the bookkeeping mlx-lm's `PromptProcessingBatch.prompt` does
 around its model call. Any other step (several prompts, a prompt joining the streams,
-nothing decoding, a model `forward_together` does not cover) is mlx-lm's own.
+nothing decoding, a model `forward_together` does not cover) is mlx-lm's own, or, with
+drafts to verify (`speculation`), the streams' verification step (`speculative`).
 
 Invariants: in a step run together, the prompt's cache takes the chunk `_chunk_beside`
 read and the streams' caches their one token each, as the two passes would give them
-(to the last bits: `forward_together`); the generation batch's model and the prompt
-batch's `prompt` are their own again after every step, raised or not.
+(to the last bits: `forward_together`); what a step planned (its chunk, its drafts) is
+forgotten after the step, raised or not.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import BatchRotatingKVCache
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
+from ..mlx_adapter.stepping import StepGenerator
+from ..mlx_adapter.streams import decode_through, emitted_counts, next_tokens
 from ..runtime import kernel_block
 from ..runtime.forward_together import forward_together, logits, supports
 from .draft_model import DraftBatch, DraftModel
@@ -44,27 +47,7 @@ from .speculative import (
 )
 
 
-def _mask_in_order(make_mask: Any) -> Any:
-    """mlx-lm 0.32's `BatchRotatingKVCache.make_mask` for a chunk of several tokens reads the
-    window's fill index before the update puts a rotated window back in order: after a
-    step in which every prompt took one token (a hybrid model's prompt cut at its
-    checkpoints can make one), a padded prompt's mask is off by one and its tokens wrong.
-    Putting the window in order first, as the update would, makes the mask right."""
-
-    def in_order(self: Any, N: int, *args: Any, **kwargs: Any) -> Any:
-        if N > 1:
-            self._temporal_order()
-        return make_mask(self, N, *args, **kwargs)
-
-    in_order.patched = True
-    return in_order
-
-
-if not getattr(BatchRotatingKVCache.make_mask, "patched", False):
-    BatchRotatingKVCache.make_mask = _mask_in_order(BatchRotatingKVCache.make_mask)
-
-
-class MixedGenerator(BatchGenerator):
+class MixedGenerator(StepGenerator):
     """`BatchGenerator`, its step that decodes streams and prefills one prompt one pass,
     and (`speculation`) streams' step that verifies their drafts: prompt lookup's,
     or where that finds none, the draft model's (`draft`)."""
@@ -85,32 +68,36 @@ class MixedGenerator(BatchGenerator):
         self._model_batch: DraftBatch | None = None  # the draft model's KV, once it drafted
         self._model_uids: set[int] = set()  # the streams it keeps rows for
         self._modelled: list[bool] = []  # the step's streams whose draft is the model's
+        self._chunk: list[int] | None = None  # the step's prompt chunk run beside the streams
+        self._step_drafts: list[list[int]] = []  # the step's drafts to verify ([]: none)
         self.on_verified: Callable[[int, int, int], None] | None = None  # (uid, drafted, ok)
         # A new stream's other texts to draft from: its tenant's recent replies (`replies`).
         self.recent_for: Callable[[int], list[PromptLookup]] = lambda uid: []
 
-    def _next(self) -> tuple[list[Any], list[Any]]:
+    def step(self) -> tuple[list[Any], list[Any]]:
         chunk = self._chunk_beside() if self.together else None
+        drafts: list[list[int]] = []
         if chunk is None:
             self._modelled = []
             drafts = self._drafts() if self.speculation else []
-            if not drafts:
-                return super()._next()
-            streams = self._generation_batch
-            streams.next = lambda: self._verified(streams, drafts)
-            try:
-                return super()._next()
-            finally:
-                del streams.next  # the instance's stand-in: the class's method again
-        streams, prompt = self._generation_batch, self._prompt_batch
-        own = streams.model
-        streams.model = _Together(self.model, mx.array([chunk]), prompt.prompt_cache)
-        prompt.prompt = lambda prompts: _prefilled(prompt, chunk, prompts)
+        self._chunk, self._step_drafts = chunk, drafts
         try:
-            return super()._next()
+            return super().step()
         finally:
-            streams.model = own
-            del prompt.prompt  # the instance's stand-in: the class's method again
+            self._chunk, self._step_drafts = None, []
+
+    def decode(self, streams: GenerationBatch) -> list[GenerationBatch.Response]:
+        if self._chunk is not None:
+            together = _Together(self.model, self._chunk, self.prompt_batch.prompt_cache)
+            return decode_through(streams, together)
+        if self._step_drafts:
+            return self._verified(streams, self._step_drafts)
+        return super().decode(streams)
+
+    def prefill(self, batch: PromptProcessingBatch, prompts: list[list[int]]) -> None:
+        if self._chunk is None:
+            return super().prefill(batch, prompts)
+        _prefilled(batch, self._chunk, prompts)  # the streams' pass ran it
 
     def _drafts(self) -> list[list[int]]:
         """A draft for each stream for the next step: its prompt-lookup guess, as long as its
@@ -118,7 +105,7 @@ class MixedGenerator(BatchGenerator):
         model's, as long as the stream's pace for those says; all cut to `draft_length`; []
         for a plain step, when no stream has one or too few do (a stream without one rides
         along: `speculative`)."""
-        streams = self._generation_batch
+        streams = self.streams
         if not can_verify(streams, MAX_ROWS if self._skips else PADDED_ROWS):
             return []
         uids = streams.uids
@@ -129,7 +116,8 @@ class MixedGenerator(BatchGenerator):
                 self._drafting[uid] = (PromptLookup(self.recent_for(uid)), Pace(), Pace())
         # Every stream's paces count its step, drafted or not; a plain step is known before
         # the wait for the last step's tokens, which a plain step does not need.
-        rooms = [m - n - 1 for m, n in zip(streams.max_tokens, streams._num_tokens, strict=True)]
+        emitted = emitted_counts(streams)
+        rooms = [m - n - 1 for m, n in zip(streams.max_tokens, emitted, strict=True)]
         lengths, modelled = [], []
         for uid, room, tokens in zip(uids, rooms, streams.tokens, strict=True):
             lookup, pace, by_model = self._drafting[uid]
@@ -143,7 +131,7 @@ class MixedGenerator(BatchGenerator):
         if max(lengths) <= 0 and max(modelled) <= 0:
             return []
         drafts = []
-        for i, (uid, last) in enumerate(zip(uids, streams._next_tokens.tolist(), strict=True)):
+        for i, (uid, last) in enumerate(zip(uids, next_tokens(streams).tolist(), strict=True)):
             lookup = self._drafting[uid][0]
             lookup.extend([last])
             drafts.append(lookup.draft(lengths[i]) if lengths[i] > 0 else [])
@@ -195,17 +183,18 @@ class MixedGenerator(BatchGenerator):
     def _chunk_beside(self) -> list[int] | None:
         """The tokens the next step prefills if it decodes the streams and prefills one
         prompt, which takes no other part in it (not joining the streams: more than its
-        last token left); None for any other step. Read as `BatchGenerator._next` reads
+        last token left); None for any other step. Read as `StepGenerator.step` reads
         them: it admits no prompt while one is being prefilled and none waits."""
-        streams = len(self._generation_batch)
-        if not 0 < streams < self.completion_batch_size or self._unprocessed_sequences:
+        streams = len(self.streams)
+        if not 0 < streams < self.completion_batch_size or self.waiting:
             return None
-        if len(self._currently_processing) != 1 or len(self._prompt_batch) != 1:
+        prefilling = self.prefilling
+        if len(prefilling) != 1 or len(self.prompt_batch) != 1:
             return None
-        segments = self._currently_processing[0][0]
+        segments = prefilling[0]
         if len(segments) == 1 and len(segments[0]) == 1:
             return None  # its last token: the step moves it to the streams
-        if self.prefill_step_size > self._prompt_batch.prefill_step_size:
+        if self.prefill_step_size > self.prompt_batch.prefill_step_size:
             # The prompt batch would cut the chunk into several passes (the engine never
             # asks for more than its largest chunk, which the prompt batch was made with).
             return None
@@ -213,10 +202,10 @@ class MixedGenerator(BatchGenerator):
 
 
 class _Together:
-    """The streams' model for one step: the pass over their tokens and the prompt's chunk."""
+    """The streams' forward pass for one step: over their tokens and the prompt's chunk."""
 
-    def __init__(self, model: Any, chunk: mx.array, cache: list[Any]) -> None:
-        self.model, self.chunk, self.cache = model, chunk, cache
+    def __init__(self, model: Any, chunk: list[int], cache: list[Any]) -> None:
+        self.model, self.chunk, self.cache = model, mx.array([chunk]), cache
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         # The chunk's logits are never read (mlx-lm's prompt pass evaluates its cache only).
@@ -225,7 +214,7 @@ class _Together:
         return logits(self.model, hidden)
 
 
-def _prefilled(batch: Any, chunk: list[int], prompts: list[list[int]]) -> None:
+def _prefilled(batch: PromptProcessingBatch, chunk: list[int], prompts: list[list[int]]) -> None:
     """`PromptProcessingBatch.prompt` for a chunk the streams' pass ran: its tokens
     recorded, its KV waited for (the streams' step set the pass going)."""
     if prompts != [chunk]:  # the step and `_chunk_beside` disagree: a bug, said loudly

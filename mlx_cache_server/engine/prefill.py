@@ -18,8 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..mlx_adapter.last_logits import last_logits
 from ..runtime import cpu_logprobs
-from .last_logits import last_logits
 
 
 def prefill_alone(

@@ -33,10 +33,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlx_cache_server.prompt_cache.layers import mode_of
 
+from ..mlx_adapter.last_logits import last_logits
 from .chunking import StepCosts, chunk_size
 from .events import Finished, Started, log_fault, sampling_failed
 from .exits import State, deliver, store
-from .last_logits import last_logits
 from .prefill import sample
 from .request import Request
 from .text import StopMatcher

@@ -32,10 +32,9 @@ class Running:
         """`generator`: mlx-lm's BatchGenerator's settings; `on_verified` and `recent_for`:
         what both generators tell of a verified draft, and ask for drafts from."""
         self.gen = MixedGenerator(model, **generator)
-        self.side = MixedGenerator(model, **generator)
+        self.side = MixedGenerator(model, first_uid=SIDE_UIDS, **generator)
         self.gen.on_verified = self.side.on_verified = on_verified
         self.gen.recent_for = self.side.recent_for = recent_for
-        self.side._uid_count = SIDE_UIDS  # mlx-lm numbers from this counter
         self.completion_batch_size = completion_batch_size
         self.active: dict[int, Request] = {}
 

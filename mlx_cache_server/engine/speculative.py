@@ -1,12 +1,13 @@
 """A decode step that verifies drafts: each stream's next tokens in one pass.
 
 mlx-lm's `GenerationBatch` decodes one token a sequence a step, the token it sampled at
-the step before (`_next_tokens`) going in as the step's input. Here each row's token goes
-in followed by a draft of k more (`drafting`), all rows in one forward pass over k+1
-positions. After each position the row's sampler draws the token a plain step would have
-drawn there (greedy: the argmax; sampled: a draw from the row's own filtered distribution,
-its key split once a draw as a plain step splits it); the draft's tokens that equal those
-draws are the row's accepted ones, and the step emits, for every row, its token and those.
+the step before (`mlx_adapter.streams.next_tokens`) going in as the step's input. Here
+each row's token goes in followed by a draft of k more (`drafting`), all rows in one
+forward pass over k+1 positions. After each position the row's sampler draws the token
+a plain step would have drawn there (greedy: the argmax; sampled: a draw from the row's
+own filtered distribution, its key split once a draw as a plain step splits it); the
+draft's tokens that equal those draws are the row's accepted ones, and the step emits,
+for every row, its token and those.
 A row without a draft (or with a shorter one) is filled out with tokens it never keeps,
 which the pass does not compute where our kernels run it (`live_positions`) and does not
 project to logits (`positions_logits`).
@@ -44,11 +45,12 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..mlx_adapter.gapped_cache import GappedKVCache
+from ..mlx_adapter.last_logits import positions_logits
+from ..mlx_adapter.streams import finish_reason, next_logprobs, next_tokens, set_next
 from ..runtime import cpu_logprobs
 from ..runtime.live_positions import live_positions
 from .drafting import ACCEPTED
-from .gapped_cache import GappedKVCache
-from .last_logits import positions_logits
 from .sampling import Categorical
 
 # A pass's rows and positions (rows times k+1) at most: as far as the pass-cost model
@@ -98,7 +100,7 @@ def can_verify(batch: GenerationBatch, most: int = MAX_ROWS) -> bool:
     n = len(batch.uids)
     return (
         0 < n <= most
-        and batch._next_tokens is not None
+        and next_tokens(batch) is not None
         and not any(batch.logits_processors or [])
         and all(_rewindable(s) for s in batch.samplers or [])
         and all(_trimmable(c) for c in batch.prompt_cache)
@@ -132,7 +134,7 @@ def verify(
     draft's first tokens the model agreed with; and how many drafted tokens each row
     emitted (as many as it agreed with, or fewer where the row ended)."""
     k = max(len(d) for d in drafts)
-    first = batch._next_tokens
+    first, first_logprobs = next_tokens(batch), next_logprobs(batch)
     rows = mx.array([d + [0] * (k - len(d)) for d in drafts], dtype=first.dtype)
     inputs = mx.concatenate([first[:, None], rows], axis=1)
     lengths = [1 + len(d) for d in drafts]
@@ -148,7 +150,7 @@ def verify(
     if ragged:  # a filler's, its row's last live position's: never read
         logprobs = logprobs[spread].reshape(len(drafts), k + 1, -1)
     chosen, keys = _drawn(batch, logprobs)
-    mx.eval(chosen, logprobs, batch._next_logprobs)
+    mx.eval(chosen, logprobs, first_logprobs)
     model_says, firsts = chosen.tolist(), first.tolist()
     agreed = [_agreeing(d, says) for d, says in zip(drafts, model_says, strict=True)]
     most = max(agreed)
@@ -162,7 +164,7 @@ def verify(
     out, keep, used = [], [], []
     for i, (uid, draft, n) in enumerate(zip(batch.uids, drafts, agreed, strict=True)):
         tokens = [firsts[i], *draft[:n]]
-        token_logprobs = [batch._next_logprobs[i], *(logprobs[i, j] for j in range(n))]
+        token_logprobs = [first_logprobs[i], *(logprobs[i, j] for j in range(n))]
         emitted, reason = _emitted(batch, i, tokens, token_logprobs)
         batch.tokens[i].extend(t for t, _ in emitted)
         used.append(len(emitted) - 1)
@@ -178,8 +180,8 @@ def verify(
     if len(keep) < len(batch.uids):
         batch.filter(keep)
     if keep:
-        batch._next_tokens = chosen[mx.array(keep), mx.array([agreed[i] for i in keep])]
-        batch._next_logprobs = [logprobs[i, agreed[i]] for i in keep]
+        kept = chosen[mx.array(keep), mx.array([agreed[i] for i in keep])]
+        set_next(batch, kept, [logprobs[i, agreed[i]] for i in keep])
     return out, agreed, used
 
 
@@ -230,11 +232,7 @@ def _emitted(
     """Row i's tokens up to the one that ends it (its limit or a stop), and why it ended."""
     emitted, reason = [], None
     for token, lp in zip(tokens, logprobs, strict=True):
-        batch._num_tokens[i] += 1
-        if batch._num_tokens[i] >= batch.max_tokens[i]:
-            reason = "length"
-        if batch._matchers[i].advance(token):
-            reason = "stop"
+        reason = finish_reason(batch, i, token)
         emitted.append((token, lp))
         if reason is not None:
             break

@@ -228,9 +228,9 @@ def model_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None
 
 def fetched_path(spec: ModelSpec, progress: Callable[[str], None] = lambda _: None) -> str:
     """The model's folder on this machine: `model_path`'s, a hub id fetched first."""
-    from mlx_lm.utils import _download
+    from ..mlx_adapter.hub import download
 
-    return str(_download(str(model_path(spec, progress))))
+    return str(download(str(model_path(spec, progress))))
 
 
 def may_recover(error: Exception) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from .mlx_lm_batch import batch_over, filled
+from ..mlx_adapter.batch_cache import batch_over, filled
 
 
 class JoinedKVCache(KVCache):

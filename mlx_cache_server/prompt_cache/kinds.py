@@ -40,6 +40,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from ..mlx_adapter.windows import window_in_order, window_over
 from .joined import FreshKVCache, JoinedKVCache
 
 Role = Literal["prefix", "window", "state", "whole"]
@@ -204,12 +205,12 @@ class Window:
 
     def held(self, c: Any) -> int:
         """How many of the last tokens it still holds."""
-        return c._temporal_order(c.keys).shape[2]
+        return window_in_order(c, c.keys).shape[2]
 
     def cut(self, c: Any, start: int, end: int) -> Arrays:
         """A copy of the KV of tokens [start, end), which it must still hold (`end` is its
         length)."""
-        keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
+        keys, values = window_in_order(c, c.keys), window_in_order(c, c.values)
         lo, hi = keys.shape[2] - (c.offset - start), keys.shape[2] - (c.offset - end)
         return own(keys[..., lo:hi, :]), own(values[..., lo:hi, :])
 
@@ -219,10 +220,7 @@ class Window:
         keep = min(n, self.max_size)
         keys, values = (mx.concatenate([p[a] for p in parts], axis=2)[..., -keep:, :]
                         for a in (0, 1))  # fmt: skip
-        layer = RotatingKVCache(self.max_size)
-        layer.keys, layer.values = own(keys), own(values)
-        layer.offset, layer._idx = n, keep
-        return layer
+        return window_over(self.max_size, own(keys), own(values), n)
 
     def snapshot(self, layer: Any) -> Any:
         return views_of(layer)

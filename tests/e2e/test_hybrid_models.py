@@ -214,7 +214,7 @@ def test_segments_leave_no_one_token_step():
 
 def test_a_batch_of_windows_after_one_token_steps_matches_a_lone_run(tmp_path):
     """A prompt cut into one-token segments beside a padded one: mlx-lm's window mask went
-    wrong after such a step, until the engine's generator module fixed it."""
+    wrong after such a step, until the adapter's step fixed it (`mlx_adapter.windows`)."""
     import random
 
     import mlx.core as mx

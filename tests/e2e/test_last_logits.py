@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_cache_server.engine.last_logits import last_logits
+from mlx_cache_server.mlx_adapter.last_logits import last_logits
 from tests.tiny_model import CONFIG
 
 

@@ -154,8 +154,8 @@ def test_each_stream_keeps_what_it_accepted_and_streams_without_drafts_ride_alon
     rejected left as gaps its mask hides (`close_up`: closed up as soon as there are two);
     replies, ends, KV and logprobs are those of plain steps."""
 
-    from mlx_cache_server.engine import gapped_cache
-    from mlx_cache_server.engine.gapped_cache import GappedKVCache
+    from mlx_cache_server.mlx_adapter import gapped_cache
+    from mlx_cache_server.mlx_adapter.gapped_cache import GappedKVCache
 
     gapped, closed = [], []
     leave, compact = GappedKVCache.leave, GappedKVCache.compact

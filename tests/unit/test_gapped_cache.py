@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlx_cache_server.engine import gapped_cache
-from mlx_cache_server.engine.gapped_cache import GappedKVCache
+from mlx_cache_server.mlx_adapter import gapped_cache
+from mlx_cache_server.mlx_adapter.gapped_cache import GappedKVCache
 
 H, D = 2, 3
 GAP = None

@@ -1,7 +1,10 @@
 """The house stays small: no import cycles in `mlx_cache_server/`, the cache library
-(`mlx_cache_server/prompt_cache/`) imports nothing above it, no module over 450 lines, and
-in the packages of `COMPOSED` no class reads or calls an attribute it does not define or
-receive: composition, not mixins (read with `ast`, as the code is, not as it runs)."""
+(`mlx_cache_server/prompt_cache/`) imports nothing above it but the seam to mlx-lm
+(`mlx_cache_server/mlx_adapter/`, which imports nothing of ours), no module over 450
+lines, in the packages of `COMPOSED` no class reads or calls an attribute it does not
+define or receive (composition, not mixins), and (test_layout_seam.py) outside the seam
+nothing reaches into a third party's internals (read with `ast`, as the code is, not as
+it runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("mlx_cache_server",)
 LIBRARY = "mlx_cache_server.prompt_cache"
+ADAPTER = "mlx_cache_server.mlx_adapter"  # the seam to mlx-lm's and MLX's internals
 MAX_MODULE = 450
 # The packages held to "a class owns what it uses" (no mixins): all of them.
 COMPOSED = ("mlx_cache_server",)
@@ -90,14 +94,38 @@ def test_no_import_cycles():
     assert cycles(graph) == []
 
 
-def test_the_cache_library_imports_nothing_above_it():
+def reaching_out(graph: dict[str, set[str]], package: str, allowed: tuple[str, ...]) -> dict:
+    """For each module of `package`, the modules it imports outside `package` and
+    `allowed` (packages, by name prefix); only modules that import some."""
+    inside = (package, *allowed)
+    out = {name: sorted(m for m in found if not m.startswith(inside))
+           for name, found in graph.items() if name.startswith(package)}  # fmt: skip
+    return {name: found for name, found in out.items() if found}
+
+
+def import_graph() -> dict[str, set[str]]:
     known = modules()
-    above = {
-        name: sorted(m for m in imports(name, path, known) if not m.startswith(LIBRARY))
-        for name, path in known.items()
-        if name.startswith(LIBRARY)
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_the_cache_library_imports_nothing_above_it_but_the_seam():
+    assert reaching_out(import_graph(), LIBRARY, (ADAPTER,)) == {}
+
+
+def test_the_seam_imports_nothing_else_of_ours():
+    assert reaching_out(import_graph(), ADAPTER, ()) == {}
+
+
+def test_the_import_checks_let_the_library_use_the_seam_and_nothing_else():
+    graph = {
+        f"{LIBRARY}.a": {f"{ADAPTER}.windows", f"{LIBRARY}.b"},
+        f"{LIBRARY}.b": {"mlx_cache_server.engine.x"},
+        f"{ADAPTER}.windows": {f"{LIBRARY}.b"},
     }
-    assert {name: found for name, found in above.items() if found} == {}
+    assert reaching_out(graph, LIBRARY, (ADAPTER,)) == {
+        f"{LIBRARY}.b": ["mlx_cache_server.engine.x"]
+    }
+    assert reaching_out(graph, ADAPTER, ()) == {f"{ADAPTER}.windows": [f"{LIBRARY}.b"]}
 
 
 def test_the_cycle_check_finds_a_cycle():

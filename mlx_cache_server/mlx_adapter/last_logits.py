@@ -9,6 +9,10 @@ output projection (`lm_head`, or the embedding used as one when tied) is given
 those positions alone. Projections act on each position separately, so those
 rows are unchanged. Models laid out otherwise are run as they are, and their
 logits taken at those positions.
+
+In the adapter because it sets attributes of mlx-lm's model objects for the pass
+(`lm_head`, `embed_tokens.as_linear`); they are the model's own again after it,
+raised or not.
 """
 
 from __future__ import annotations

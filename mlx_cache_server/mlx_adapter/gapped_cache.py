@@ -13,6 +13,9 @@ Invariants: in each row, the positions in [left_padding, _idx) that are not gaps
 the KV of exactly the row's tokens, in order, and `offset` is their number; positions
 at or past `gaps.shape[1]` are not gaps; `extract` hands a row out without its gaps.
 Only a running batch's caches get gaps: the caches that join it come from prompts.
+
+In the adapter because it reads and sets `BatchKVCache`'s private fill index (`_idx`)
+and turns a batch's cache into one in place (`of` changes its class).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The one place `prompt_cache` reaches into mlx-lm's internals: `BatchKVCache`'s fill index.
+"""A `BatchKVCache` over buffers we filled: the cache library's reach into its fill index.
 
 mlx-lm builds a batch cache only by copying into a buffer of its own
 (`BatchKVCache.merge`, or `update_and_fetch` on an empty one). To hand a batch
 buffers built already (views of a lone cache's buffers, or segments written
-straight into place: see `joined`), `batch_over` sets what its update path
+straight into place: see `prompt_cache.joined`), `batch_over` sets what its update path
 reads: `offset` (public) and `_idx`, how many slots of the buffer are filled
 (private, with no public setter). Everything else goes through public methods.
-tests/unit/test_mlx_lm_adapter.py checks, against the installed mlx-lm, that a batch
+tests/unit/test_mlx_adapter.py checks, against the installed mlx-lm, that a batch
 built here is the batch mlx-lm builds; the pin in pyproject.toml (mlx-lm
 >=0.32,<0.33) keeps that check meaningful.
 """
