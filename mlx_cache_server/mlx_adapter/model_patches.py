@@ -75,9 +75,12 @@ def route_generate(name: str, replacement: Callable) -> bool:
 
 def replace_modules(model: nn.Module, replacement: Callable[[Any], nn.Module | None]) -> int:
     """Put `replacement(child)` in place of each child module of `model` (and of its
-    modules, lists of modules included) for which it is not None; how many were put."""
+    modules, lists of modules included) for which it is not None; how many were put.
+
+    Children are replaced before their parents (`modules()` lists a module before what it
+    holds), so a parent that `recast` replaces holds its children's replacements."""
     replaced = 0
-    for module in model.modules():  # `model` among them
+    for module in reversed(model.modules()):  # `model` among them
         for key, value in list(module.items()):
             children = value if isinstance(value, list) else [value]
             for i, child in enumerate(children):
