@@ -72,7 +72,7 @@ class RMSNorm(nn.RMSNorm):
         return self._ops.rms_norm(x, self.weight, self.eps)
 
 
-def _swapped(value: Any, ops: Any) -> Any:
+def _ours(value: Any, ops: Any) -> Any:
     if type(value) is nn.RoPE:
         return RoPE(value, ops)
     if type(value) is nn.RMSNorm:
@@ -86,4 +86,4 @@ def install(model: Any) -> int:
     ops = native.layers()
     if ops is None:
         return 0
-    return replace_modules(model, lambda child: _swapped(child, ops))
+    return replace_modules(model, lambda child: _ours(child, ops))
