@@ -23,7 +23,7 @@ on it, on MLX's CPU device); KERNEL only where our kernels' module is there. A K
 is a promise to try: where a primitive refuses operands it cannot read (a weight replaced
 by a view after the model was loaded), the entry point runs MLX's.
 
-`on` is the switch (the `cpu_fast_path` setting, set by `server/build.py`): off, every route
+`on` is the switch (the `cpu_fast_path` setting, set by `models/engine_build.py`): off, every route
 is MLX. `off` turns off a family ("attention") or one route of it ("attention.kernel"), for
 tests and benchmarks that compare one part with MLX's. Both are process-wide, as the
 entry points are (`mlx_adapter/model_patches.py` says why).
@@ -163,4 +163,4 @@ def _cpu_float32(*arrays: Any) -> bool:
     )
 
 
-FAST_PATH = FastPath()  # the one the entry points ask; `server/build.py` sets `on`
+FAST_PATH = FastPath()  # the one the entry points ask; `models/engine_build.py` sets `on`
