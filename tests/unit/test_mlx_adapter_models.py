@@ -154,3 +154,43 @@ def test_the_parts_a_llama_block_of_ours_reads():
 @pytest.mark.parametrize("name", ["rope", "rms_norm"])
 def test_mlx_fast_functions_the_replaced_modules_fall_back_to(name):
     assert callable(getattr(mx.fast, name))
+
+
+def test_the_fast_path_changes_mlx_lm_s_objects_only_through_the_adapter():
+    """In `runtime/`, no attribute of an imported module or class is assigned, no `setattr`
+    is called and no `__class__` is assigned: each change the fast path makes to mlx-lm's
+    objects is one of `model_patches`' (read with `ast`, as the code is)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(cpu_attention.__file__).parent
+    found = []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {
+            (a.asname or a.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for a in node.names
+        }
+        imported |= {  # `x = importlib.import_module(...)`
+            t.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and "import_module" in ast.unparse(node.value)
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and (
+                    t.attr == "__class__"
+                    or isinstance(t.value, ast.Name)
+                    and t.value.id in imported
+                ):
+                    found.append(f"{path.name}:{node.lineno} {ast.unparse(t)}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+                found.append(f"{path.name}:{node.lineno} setattr")
+    assert found == []
