@@ -40,7 +40,7 @@ from multiturn import RESULTS, Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
-from mlx_cache_server.runtime import cpu_activations, cpu_attention
+from mlx_cache_server.runtime import cpu_activations, cpu_attention, fast_path
 
 BUDGET = 4 * 1024**3
 
@@ -104,7 +104,8 @@ def profile_forward(model: Any, cached: int, fast: bool) -> dict:
             mx.eval([c.state for c in cache])
     module = sys.modules[type(model).__module__]
     real_attention = module.scaled_dot_product_attention
-    cpu_attention.enabled = fast
+    # MLX's own attention and SwiGLU, or the fast path's: the one switch
+    fast_path.FAST_PATH.on = fast
 
     def attention(*args: Any, **kwargs: Any) -> mx.array:
         mx.eval([a for a in args if isinstance(a, mx.array)])
@@ -127,7 +128,6 @@ def profile_forward(model: Any, cached: int, fast: bool) -> dict:
             saved.append((owner, name, inner))
             setattr(owner, name, Timed(inner, kind, times))
     module.scaled_dot_product_attention = attention
-    cpu_activations.enabled = fast
     for layer in model.layers:  # the MLP as a whole: its activation is what is not a matmul
         saved.append((layer, "mlp", layer.mlp))
         layer.mlp = Timed(layer.mlp, "mlp", times)
@@ -144,7 +144,7 @@ def profile_forward(model: Any, cached: int, fast: bool) -> dict:
         for owner, name, inner in saved:
             setattr(owner, name, inner)
         module.scaled_dot_product_attention = real_attention
-        cpu_attention.enabled = cpu_activations.enabled = True
+        fast_path.FAST_PATH.on = True
     mlp = times.pop("mlp")
     times["activation (SwiGLU)"] = mlp - times.pop("mlp matmul")
     times["matmul"] += mlp - times["activation (SwiGLU)"]
@@ -159,7 +159,7 @@ def profile_forward(model: Any, cached: int, fast: bool) -> dict:
 def part1(quick: bool) -> dict:
     from mlx_lm import load
 
-    cpu_attention.MIN_SCORES = 0
+    fast_path.MIN_SCORES = 0
     model, _ = load(str(default_model_dir()))
     cpu_attention.install(model)
     cpu_activations.install(model)

@@ -14,4 +14,6 @@ this folder whose breakage a test names; pyproject.toml pins the release line ch
 - `gapped_cache`: a batch's KV cache with positions no query attends to.
 - `last_logits`: logits of some positions, the model's head given only those.
 - `hub`: a model's folder, fetched from the hub when it is not on this machine.
+- `model_patches`: the CPU fast path's changes to one model's modules and to mlx-lm's
+  generator module's `mx` (tests/unit/test_mlx_adapter_models.py).
 """

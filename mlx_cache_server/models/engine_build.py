@@ -16,16 +16,9 @@ from ..engine import Engine
 from ..engine.draft_model import DraftModel
 from ..engine.quantized_kv import check_quantized
 from ..engine.sharded_steps import FollowerSteps, LeaderSteps, rank_bytes
-from ..runtime import (
-    cpu_activations,
-    cpu_attention,
-    cpu_fast_path,
-    cpu_logprobs,
-    kernel_layers,
-    kernel_linear,
-    native,
-)
+from ..runtime import cpu_fast_path, native
 from ..runtime.blas import describe as describe_blas
+from ..runtime.fast_path import FAST_PATH
 from ..settings import Settings
 from .fingerprint import kv_fingerprint
 from .folders import generation_config, model_folder
@@ -47,10 +40,8 @@ def build_engine(
         model, tokenizer = load(model_path)
     else:
         model, tokenizer = load_shard(model_path, group, settings.pipeline)
-    fast = settings.cpu_fast_path
-    cpu_attention.enabled = cpu_activations.enabled = cpu_logprobs.enabled = fast
-    kernel_layers.enabled = kernel_linear.enabled = fast
-    if fast and mx.default_device() == mx.cpu:
+    FAST_PATH.on = settings.cpu_fast_path  # the one switch: off, every call is MLX's own
+    if FAST_PATH.installs():
         if not cpu_fast_path.install(model):
             log.warning("this model's attention cannot take the CPU fast path: MLX's is used")
         if native.layers() is None:
@@ -136,7 +127,7 @@ def load_draft(settings: Settings, tokenizer: Any) -> DraftModel:
             f"the draft model {settings.draft_model} has another tokenizer than the served "
             "model: a draft model must share its tokenizer, token for token"
         )
-    if settings.cpu_fast_path and mx.default_device() == mx.cpu:
+    if FAST_PATH.installs():
         cpu_fast_path.install(model)
     return DraftModel(model, settings.num_draft_tokens)
 

@@ -10,22 +10,19 @@ so that a chunk's scores stay under `CHUNK_SCORES` values (a chunk holds at leas
 one query per sequence, so a decode step's scores are computed at once): rows are
 independent, so each is an exact softmax, with no rescaling.
 
-A decode step (one query a sequence) over a short context (`DECODE_MAX_KEYS`) is the
+A decode step (one query a sequence) over a short context (`fast_path.DECODE_MAX_KEYS`) is the
 exception (`decode_attention`): all of it runs in numpy, its matmuls included, each small
-enough that numpy's BLAS keeps it on the calling thread (`DECODE_MAX_PRODUCT`). There
+enough that numpy's BLAS keeps it on the calling thread (`fast_path.DECODE_MAX_PRODUCT`). There
 MLX's kernel spent most of its time in its scalar `exp` and its many small ops, and
 `attention` in the round trips of MLX's two matmuls (bench/README.md, "Decode steps'
 attention"); over longer contexts numpy's path measured slower.
 
-It takes over only where it is faster and means the same: MLX's CPU device, float32
-queries, keys and values, no quantized cache, no attention sinks, and such a decode step
-or enough scores that the round trip through numpy pays (`MIN_SCORES`: a prefill chunk
-over a long context, a decode step of many streams over a longer one). Everything else
-goes to mlx-lm's own `scaled_dot_product_attention`.
-
-It is installed by rebinding the name a model's modules call (`install`, through
-`model_hooks.rebind`), mlx-lm's attention entry point: no mlx-lm file is changed, and
-`enabled` turns it off.
+Which calls take which path (`KERNEL`: `kernel_attention`, where our kernels' module is
+there; `NUMPY_DECODE`: `decode_attention`; `NUMPY`: `attention`; else mlx-lm's own
+`scaled_dot_product_attention`) is `fast_path.FastPath.attention`'s to say: only MLX's CPU
+device, float32, no quantized cache, no attention sinks. The entry point is installed by
+rebinding the name a model's modules call (`install`), mlx-lm's attention entry point: no
+mlx-lm file is changed.
 """
 
 from __future__ import annotations
@@ -36,22 +33,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 
+from ..mlx_adapter.model_patches import rebind
 from . import kernel_attention
-from .model_hooks import rebind
+from .fast_path import FAST_PATH, Route
 
-MIN_SCORES = 1 << 18  # scores of one call below which MLX's own kernel is as fast
 CHUNK_SCORES = 1 << 22  # scores computed at once (16 MiB of float32)
-# Keys a sequence attends to beyond which a decode step stays with MLX: numpy's path was
-# faster up to ~350 keys and slower from ~500 (bench/README.md, "Decode steps' attention").
-DECODE_MAX_KEYS = 384
-# And a product (query heads a key head serves x head size x keys) past which numpy's
-# OpenBLAS would spread it over its own threads, which spin beside MLX's: models with many
-# query heads to a key head (multi-head latent attention) stay with MLX.
-DECODE_MAX_PRODUCT = 1 << 18
 
 LOWEST = np.finfo(np.float32).min
-
-enabled = True  # off: every call goes to mlx-lm's attention
 
 
 def scaled_dot_product_attention(
@@ -63,33 +51,18 @@ def scaled_dot_product_attention(
     mask: Any,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, through numpy where that is faster."""
-    if not (enabled and _eligible(queries, keys, values, cache, mask, sinks)):
-        return base.scaled_dot_product_attention(
-            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
-        )
-    b, h, n_queries, dim = queries.shape
-    n_kv, n_keys = keys.shape[1], keys.shape[2]
-    if n_queries <= kernel_attention.MAX_QUERIES and kernel_attention.available():
-        out = kernel_attention.attention(queries, keys, values, scale, mask)
-        if out is not None:
-            return out
-    if n_queries == 1 and n_keys <= DECODE_MAX_KEYS:
-        if (h // n_kv) * max(dim, values.shape[-1]) * n_keys <= DECODE_MAX_PRODUCT:
-            return decode_attention(queries, keys, values, scale, mask)
-    if b * h * n_queries * n_keys >= MIN_SCORES:
+    """mlx-lm's `scaled_dot_product_attention`, on the route `FAST_PATH` picks."""
+    route = FAST_PATH.attention(queries, keys, values, cache, mask, sinks)
+    if route is Route.KERNEL:
+        ops = FAST_PATH.kernels("attention")
+        return kernel_attention.run(ops, queries, keys, values, scale, mask)
+    if route is Route.NUMPY_DECODE:
+        return decode_attention(queries, keys, values, scale, mask)
+    if route is Route.NUMPY:
         return attention(queries, keys, values, scale, mask)
     return base.scaled_dot_product_attention(
         queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
     )
-
-
-def _eligible(queries: mx.array, keys: Any, values: Any, cache: Any, mask: Any, sinks: Any) -> bool:
-    if hasattr(cache, "bits") or sinks is not None or mx.default_device() != mx.cpu:
-        return False
-    if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, mx.float32):
-        return False
-    return all(isinstance(a, mx.array) and a.dtype == mx.float32 for a in (queries, keys, values))
 
 
 def attention(
@@ -188,8 +161,8 @@ def _mask(mask: Any, b: int, n_kv: int, groups: int, n_q: int, n_k: int) -> np.n
 
 
 def install(model: Any) -> bool:
-    """Route `model`'s attention through this module; False if no part of it calls
-    mlx-lm's `scaled_dot_product_attention` by name."""
+    """Route `model`'s attention through this module's entry point; False if no part of it
+    calls mlx-lm's `scaled_dot_product_attention` by name."""
     return rebind(
         model, "scaled_dot_product_attention", base.scaled_dot_product_attention,
         scaled_dot_product_attention, home=base,

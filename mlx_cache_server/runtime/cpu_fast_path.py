@@ -1,12 +1,21 @@
-"""The CPU fast path on a model: attention and logprobs through numpy, and where our
-kernels' module is there (`native`): a few queries' attention on our kernel
-(`kernel_attention`), RoPE, RMSNorm and SwiGLU as one MLX op each (`kernel_layers`,
-`cpu_activations`; numpy's SwiGLU without it), a Llama block's work around attention as
-two (`kernel_block`), and a decode step's other products on our kernel (`kernel_linear`).
+"""The CPU fast path put in a model: its entry points, each where the model calls that op.
 
-One place for what the engine installs on MLX's CPU device, so that benchmarks measuring
-"as the server runs" install the same (`cpu_attention`, `cpu_activations`, `cpu_logprobs`
-`kernel_layers` say why each).
+`fast_path.py` holds the switch and the rules that pick, call by call, which implementation
+an entry point runs; this module only puts the entry points in place, when a model is
+loaded and `fast_path.FAST_PATH.installs()`. Three mechanisms, all in
+`mlx_adapter/model_patches.py`, which says what each touches:
+
+    entry point                                  how a model reaches it
+    cpu_attention.scaled_dot_product_attention   the name rebound in the model's modules
+    cpu_activations.swiglu                       the name rebound in the model's modules
+    cpu_logprobs.logsumexp                       `mlx_lm.generate`'s `mx.logsumexp`
+    kernel_layers.RoPE, .RMSNorm                 modules of the model replaced
+    kernel_block.Block                           the model's Llama blocks replaced
+    kernel_linear.Linear, .Embedding             modules of the model replaced
+
+The modules of ours exist only where our kernels' module is there (`native.problem` says
+why not); the rest is installed either way. Benchmarks measuring "as the server runs"
+install the same.
 """
 
 from __future__ import annotations
@@ -24,14 +33,12 @@ from . import (
 
 
 def install(model: Any) -> bool:
-    """Route `model`'s attention and mlx-lm's logprobs through numpy, and its RoPE, RMSNorm,
-    SwiGLU, Llama blocks and
-    decode products through our primitives; False if the model's attention
-    could not be routed (the rest is installed either way)."""
+    """Put the fast path's entry points in `model` and in mlx-lm's generators; False if the
+    model's attention could not be routed (the rest is installed either way)."""
     attention = cpu_attention.install(model)
     cpu_activations.install(model)
     cpu_logprobs.install()
     kernel_layers.install(model)
-    kernel_block.install(model)
+    kernel_block.install(model)  # after the layers: a block runs only with ours
     kernel_linear.install(model)  # after the blocks, which read their projections' weights
     return attention

@@ -10,25 +10,25 @@ way), which the tests compare.
 
 The cache's update and attention stay the model's own calls (the module's
 `scaled_dot_product_attention`, ours where `cpu_attention` is installed), so every cache
-type, mask and attention path works as before. `install` swaps the class of the blocks it
-can run (mlx-lm's `llama` blocks whose norms and RoPE `kernel_layers` swapped, float32
-weights, no biases); anything else it leaves alone, and `Block` hands any call it cannot
-run (another dtype or device, weights the ops refuse, `enabled` off) to the model's own.
+type, mask and attention path works as before. `install` replaces the blocks it can run
+(mlx-lm's `llama` blocks whose norms and RoPE `kernel_layers` replaced, float32 weights, no
+biases) by a `Block` holding the same parts; anything else it leaves alone, and `Block`
+hands any call `fast_path.FastPath.block` does not route to it (another dtype or device,
+the fast path off) or whose weights the ops refuse to the model's own.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
-from . import kernel_attention, kernel_layers, native
+from ..mlx_adapter.model_patches import called_by, recast, replace_modules
+from . import kernel_layers, native
+from .fast_path import FAST_PATH, Route
 from .live_positions import lengths_for
-
-enabled = True  # off: swapped blocks run mlx-lm's call, as before
 
 
 class Block(llama.TransformerBlock):
@@ -37,21 +37,20 @@ class Block(llama.TransformerBlock):
     computes_as = llama.TransformerBlock  # for `forward_together`, which calls its parts
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        ops = native.layers()
-        run = enabled and kernel_layers.enabled and ops is not None
-        if not run or x.dtype != mx.float32 or x.ndim != 3 or mx.default_device() != mx.cpu:
+        if FAST_PATH.block(x, _weights(self)) is not Route.KERNEL:
             return super().__call__(x, mask, cache)
         first = kernel_layers.first_positions(cache.offset if cache is not None else 0, x.shape[0])
-        if first is None or not all(w.dtype == mx.float32 for w in _weights(self)):
+        if first is None:
             return super().__call__(x, mask, cache)
+        ops = FAST_PATH.kernels("block")
         attn, lengths = self.self_attn, lengths_for(x.shape[0], x.shape[1])
-        try:  # before the cache's update: weights swapped since `install` may be refused
+        try:  # before the cache's update: weights replaced since `install` may be refused
             q, k, v = _inputs(ops, self, x, first, lengths)
         except ValueError:
             return super().__call__(x, mask, cache)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        attend = sys.modules[type(attn).__module__].scaled_dot_product_attention
+        attend = called_by(attn, "scaled_dot_product_attention")
         out = attend(q, k, v, cache=cache, scale=attn.scale, mask=mask)
         return _output(ops, self, x, out, lengths)
 
@@ -110,29 +109,31 @@ def runs(layer: Any) -> bool:
 
 def skips_fillers(model: Any) -> bool:
     """Whether a pass of `model` within `live_positions` computes no filler: every block of
-    it swapped, and attention our kernel's node."""
+    it ours, and attention our kernel's node."""
     layers = getattr(model, "layers", None)
     return (
         bool(layers)
         and all(type(layer) is Block for layer in layers)
-        and kernel_attention.takes_live()
+        and FAST_PATH.kernels("attention") is not None
     )
 
 
 def install(model: Any) -> int:
-    """Swap the class of `model`'s blocks that `Block` runs (after `kernel_layers.install`);
-    how many were swapped (0 where the extension cannot be built: `native.problem`)."""
+    """Replace `model`'s blocks that `Block` runs (after `kernel_layers.install`) by a
+    `Block` holding the same parts; how many were replaced (0 where the extension cannot
+    be built: `native.problem`)."""
     ops = native.layers()
     if ops is None or not ops.has_block():
         return 0
-    swapped = 0
-    for module in model.modules():
-        if type(module) is llama.TransformerBlock and runs(module):
-            mx.eval(_weights(module))  # the ops take evaluated weights
-            if _takes(ops, module):
-                module.__class__ = Block
-                swapped += 1
-    return swapped
+    return replace_modules(model, lambda child: _ours(child, ops))
+
+
+def _ours(layer: Any, ops: Any) -> Block | None:
+    """`layer` as a `Block`, or None to leave it as it is."""
+    if type(layer) is not llama.TransformerBlock or not runs(layer):
+        return None
+    mx.eval(_weights(layer))  # the ops take evaluated weights
+    return recast(layer, Block) if _takes(ops, layer) else None
 
 
 def _takes(ops: Any, layer: Any) -> bool:

@@ -6,10 +6,10 @@ small model was mostly those ops' graph nodes, allocations and tasks (bench/READ
 "Decode kernels"). The primitives compute the fallback's arithmetic in its order, so
 their results are the same bits: nothing about a model's output changes but its speed.
 
-`install` swaps a model's `nn.RoPE` and `nn.RMSNorm` modules (those exact classes, not
-a model's own variants) for subclasses that call the primitives on float32 input and
-go to MLX's own function for anything else. Needs the extension module `native.layers()`
-builds; without it, nothing is swapped.
+`install` replaces a model's `nn.RoPE` and `nn.RMSNorm` modules (those exact classes, not
+a model's own variants) by subclasses that call the primitives where `fast_path.FastPath`
+routes a call to them (float32 input) and MLX's own function for anything else. Needs the
+extension module `native.layers()` builds; without it, nothing is replaced.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import module_tree, native
-
-enabled = True  # off: the swapped modules call MLX's functions, as before
+from ..mlx_adapter.model_patches import replace_modules
+from . import native
+from .fast_path import FAST_PATH, Route
 
 
 class RoPE(nn.RoPE):
@@ -34,7 +34,7 @@ class RoPE(nn.RoPE):
         mx.eval(self._inv_freq)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        if not enabled or x.dtype != mx.float32 or x.ndim != 4:
+        if FAST_PATH.rope(x) is not Route.KERNEL:
             return super().__call__(x, offset)
         first = first_positions(offset, x.shape[0])
         if first is None:
@@ -67,12 +67,12 @@ class RMSNorm(nn.RMSNorm):
         self._ops = ops
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not enabled or x.dtype != mx.float32 or self.weight.dtype != mx.float32:
+        if FAST_PATH.rms_norm(x, self.weight) is not Route.KERNEL:
             return super().__call__(x)
         return self._ops.rms_norm(x, self.weight, self.eps)
 
 
-def _swapped(value: Any, ops: Any) -> Any:
+def _ours(value: Any, ops: Any) -> Any:
     if type(value) is nn.RoPE:
         return RoPE(value, ops)
     if type(value) is nn.RMSNorm:
@@ -81,9 +81,9 @@ def _swapped(value: Any, ops: Any) -> Any:
 
 
 def install(model: Any) -> int:
-    """Swap `model`'s RoPE and RMSNorm modules for ours; how many were swapped (0 where
+    """Replace `model`'s RoPE and RMSNorm modules by ours; how many were replaced (0 where
     the extension cannot be built: `native.problem`)."""
     ops = native.layers()
     if ops is None:
         return 0
-    return module_tree.replace(model, lambda child: _swapped(child, ops))
+    return replace_modules(model, lambda child: _ours(child, ops))

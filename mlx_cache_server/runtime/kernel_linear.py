@@ -3,14 +3,15 @@
 A BLAS's sgemm packs the whole weight before it multiplies, which for a decode step's
 one row costs as much as the product. `Linear` and `Embedding` (its `as_linear`, a tied
 output projection) take the place of mlx-lm's float32 `nn.Linear` and `nn.Embedding`
-modules and run a product of at most `MAX_ROWS` rows as our primitive, which reads
-each row of the weight once; longer inputs (a prefill chunk) and anything else go to
-MLX's matmul, as before. A row's result does not depend on the rows beside it, so a
-row decoded alone, in a batch or in a draft's pass gets the same bits, and the same as
-in a block's nodes (`kernel_block`).
+modules and run a product of at most `fast_path.MAX_ROWS` rows as our primitive, which
+reads each row of the weight once; longer inputs (a prefill chunk) and anything else go
+to MLX's matmul, as before (`fast_path.FastPath.linear` decides). A row's result does not
+depend on the rows beside it, so a row decoded alone, in a batch or in a draft's pass gets
+the same bits, and the same as in a block's nodes (`kernel_block`).
 
-`install` replaces modules in the model's tree (`module_tree`, as `nn.quantize` does), after
-`kernel_block` took the blocks it runs (which read their projections' weights).
+`install` replaces modules in the model's tree (`mlx_adapter.model_patches.replace_modules`,
+as `nn.quantize` does), after `kernel_block` took the blocks it runs (which read their
+projections' weights).
 """
 
 from __future__ import annotations
@@ -20,23 +21,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import module_tree, native
-
-MAX_ROWS = 64  # as `csrc/gemm.c`: more rows go to the BLAS, which is faster for them
-enabled = True  # off: the modules run mlx-lm's call, as before
+from ..mlx_adapter.model_patches import recast, replace_modules
+from . import native
+from .fast_path import FAST_PATH, Route
 
 
 def _product(x: mx.array, weight: mx.array) -> mx.array | None:
-    """x @ weight.T on our kernel, or None where it does not take it."""
-    ops = native.layers() if enabled else None
-    if ops is None or x.dtype != mx.float32 or weight.dtype != mx.float32:
-        return None
-    if x.ndim == 0 or x.size // max(x.shape[-1], 1) > MAX_ROWS:
-        return None
-    if mx.default_device() != mx.cpu:
+    """x @ weight.T on our kernel, or None where it is not routed there or refuses it."""
+    if FAST_PATH.linear(x, weight) is not Route.KERNEL:
         return None
     try:
-        return ops.linear(x, weight)
+        return FAST_PATH.kernels("linear").linear(x, weight)
     except ValueError:  # a weight set since `install` that it does not read (a view)
         return None
 
@@ -72,11 +67,7 @@ def _ours(module: Any, ops: Any) -> nn.Module | None:
         ops.linear(mx.zeros((1, module.weight.shape[1])), module.weight)
     except ValueError:
         return None
-    ours = kind.__new__(kind)
-    nn.Module.__init__(ours)
-    for key, value in module.items():  # its weight, its bias: the same arrays
-        ours[key] = value
-    return ours
+    return recast(module, kind)  # its weight, its bias: the same arrays
 
 
 def install(model: Any) -> int:
@@ -85,6 +76,6 @@ def install(model: Any) -> int:
     ops = native.layers()
     if ops is None:
         return 0
-    return module_tree.replace(
+    return replace_modules(
         model, lambda child: _ours(child, ops) if isinstance(child, nn.Module) else None
     )

@@ -7,7 +7,7 @@ products, `csrc/gemm.c`; a few queries' attention, `csrc/attention.c`) built in:
 (any x86-64), `_kernels_aarch64`. `layers()` imports the first this CPU runs. Nothing is
 compiled here, and nothing of ours is preloaded: the module is a Python extension like
 any other, imported when the server asks for it (never on a GPU device or with the CPU
-fast path off: `server/build.py`).
+fast path off: `models/engine_build.py`).
 
 A module is used only with the MLX it was built against (its C++ headers have no stable
 ABI) and with MLX's own nanobind internals (it takes and returns `mx.array`); where

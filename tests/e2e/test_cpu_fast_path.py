@@ -11,31 +11,29 @@ import mlx.core as mx
 import pytest
 from openai import OpenAI
 
-from mlx_cache_server.runtime import (
-    cpu_activations,
-    cpu_attention,
-    cpu_logprobs,
-    kernel_attention,
-    native,
-)
+from mlx_cache_server.mlx_adapter.model_patches import GENERATE
+from mlx_cache_server.runtime import fast_path, native
+from mlx_cache_server.runtime.fast_path import FAST_PATH, Route
+from mlx_cache_server.runtime.kernel_attention import MAX_QUERIES
 from tests.live import serving
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a CPU-only path")
 
 
+def routes(monkeypatch, family: str) -> list[tuple[Route, tuple[int, ...]]]:
+    """The routes `FAST_PATH` picks for `family` from now on, call by call, each with its
+    first operand's shape."""
+    taken, rule = [], getattr(FAST_PATH, family)
+
+    def recording(*args):
+        taken.append((rule(*args), args[0].shape))
+        return taken[-1][0]
+
+    monkeypatch.setattr(FAST_PATH, family, recording)
+    return taken
+
+
 def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir, monkeypatch):
-    calls, kernel = [], []
-    real, real_kernel = cpu_attention.attention, kernel_attention.attention
-
-    def counting(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-
-    def counting_kernel(*args):  # decode steps and short prompts, where the kernels are
-        kernel.append(args[0].shape)
-        return real_kernel(*args)
-
-    monkeypatch.setattr(kernel_attention, "attention", counting_kernel)
     layers, primitives = native.layers(), []
     if layers is not None:  # the servers' models take the primitives from this
         counted = type("Counted", (), {})()
@@ -46,25 +44,12 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
             setattr(counted, name, lambda *a, op=real_op, n=name: primitives.append(n) or op(*a))
         monkeypatch.setattr(native, "_module", counted)
 
-    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)  # every call, decode steps too
-    monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
-    taken, eligible = [], cpu_activations._eligible
-
-    def deciding(*args):  # the SwiGLU's choice of path, each call
-        taken.append(eligible(*args))
-        return taken[-1]
-
-    monkeypatch.setattr(cpu_activations, "_eligible", deciding)
-    monkeypatch.setattr(cpu_attention, "attention", counting)
-    monkeypatch.setattr(cpu_logprobs, "MIN_ROWS", 0)  # one stream's steps too
-    normalized, normalizable = [], cpu_logprobs._eligible
-
-    def normalizing(*args):  # the normalization's choice of path, each call
-        normalized.append(normalizable(*args))
-        return normalized[-1]
-
-    monkeypatch.setattr(cpu_logprobs.generate, "mx", mx)  # installed afresh, then undone
-    monkeypatch.setattr(cpu_logprobs, "_eligible", normalizing)
+    monkeypatch.setattr(fast_path, "MIN_SCORES", 0)  # every call, decode steps too
+    monkeypatch.setattr(fast_path, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(fast_path, "MIN_ROWS", 0)  # one stream's steps too
+    attention, swiglu = routes(monkeypatch, "attention"), routes(monkeypatch, "swiglu")
+    normalized = routes(monkeypatch, "logsumexp")
+    monkeypatch.setattr(GENERATE, "mx", mx)  # installed afresh, then undone
     system = {"role": "system", "content": "You are a helpful assistant. " * 20}
     with (
         serving(str(tiny_model_dir), served_model_name="tiny") as cached,
@@ -85,21 +70,25 @@ def test_cached_equals_uncached_with_the_cpu_fast_path_everywhere(tiny_model_dir
             assert text == plain
             messages.append({"role": "assistant", "content": text})
     assert usage.prompt_tokens_details.cached_tokens > 0
-    if kernel_attention.available():
-        assert any(shape[2] > kernel_attention.MAX_QUERIES for shape in calls)
-        assert any(shape[2] == 1 for shape in kernel)
+    calls = [shape for route, shape in attention if route is Route.NUMPY]
+    kernel = [shape for route, shape in attention if route is Route.KERNEL]
+    if FAST_PATH.kernels("attention") is not None:
+        assert any(shape[2] > MAX_QUERIES for shape in calls)
+        assert any(shape[2] == 1 for shape in kernel)  # decode steps and short prompts
     else:
         assert any(shape[2] > 1 for shape in calls) and any(shape[2] == 1 for shape in calls)
     if layers is not None:
         # the blocks' work around attention as two nodes each, the last norm as one
         assert {"block_input", "block_output", "rms_norm"} <= set(primitives)
         assert "linear" in primitives  # the output head's product, a step's few rows
-        if kernel_attention.available():  # as a node of the graph
+        if FAST_PATH.kernels("attention") is not None:  # as a node of the graph
             assert "attention" in primitives
-        assert not taken  # any SwiGLU outside a block is our node, not numpy's
+        # any SwiGLU outside a block is our node, not numpy's
+        assert all(route is Route.KERNEL for route, _ in swiglu)
     else:
-        assert taken and all(taken)  # every SwiGLU through numpy
-    assert len(normalized) >= generated and all(normalized)  # each token's, through numpy
+        assert swiglu and all(route is Route.NUMPY for route, _ in swiglu)  # every one numpy's
+    # each token's, through numpy
+    assert len(normalized) >= generated and all(route is Route.NUMPY for route, _ in normalized)
 
 
 @pytest.mark.portable

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import activations
 
-from mlx_cache_server.runtime import cpu_activations, native
+from mlx_cache_server.runtime import cpu_activations, fast_path, native
+from mlx_cache_server.runtime.fast_path import FAST_PATH
 
 extension = pytest.mark.skipif(
     mx.default_device() != mx.cpu or native.layers() is None,
@@ -24,7 +25,7 @@ def no_extension(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(1, 240, 1536), (16, 1, 1536), (2, 37, 128)])
 def test_numpy_s_equals_mlx_lm_within_float32_tolerance(shape, monkeypatch, no_extension):
-    monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(fast_path, "MIN_ELEMENTS", 0)
     mx.random.seed(3)
     gate, x = mx.random.normal(shape) * 6, mx.random.normal(shape)  # large gates: exp's range
     got = cpu_activations.swiglu(gate, x)
@@ -71,7 +72,7 @@ def test_small_or_other_dtypes_go_to_mlx_lm(monkeypatch, no_extension):
     assert calls == []
     cpu_activations.swiglu(mx.ones((1, 1, 64)), mx.ones((1, 1, 64)))  # one decode row: small
     cpu_activations.swiglu(big.astype(mx.float16), big.astype(mx.float16))
-    monkeypatch.setattr(cpu_activations, "enabled", False)
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"swiglu"}))
     cpu_activations.swiglu(big, big)
     assert len(calls) == 3
 
@@ -81,7 +82,7 @@ def test_install_routes_the_models_mlp_here(tiny_model, monkeypatch, no_extensio
 
     model, tokenizer = tiny_model
     monkeypatch.setattr(llama, "swiglu", activations.swiglu)  # undone after the test
-    monkeypatch.setattr(cpu_activations, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(fast_path, "MIN_ELEMENTS", 0)
     tokens = mx.array(tokenizer.encode("Hello there, how are you?"))[None]
     before = model(tokens)
     assert cpu_activations.install(model)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
-from mlx_cache_server.runtime import cpu_attention, kernel_attention, native
+from mlx_cache_server.runtime import cpu_attention, fast_path, kernel_attention, native
+from mlx_cache_server.runtime.fast_path import FAST_PATH
 
 
 def qkv(batch: int, heads: int, kv_heads: int, queries: int, keys: int, dim: int, seed: int = 0):
@@ -101,7 +102,7 @@ def test_query_chunks_give_the_same_rows(monkeypatch):
 
 def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     """Where our kernels' module is not there (kernel_attention's routes are below)."""
-    monkeypatch.setattr(kernel_attention, "enabled", False)
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"attention.kernel"}))
     calls, decoded = [], []
     monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or a[0])
     monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: decoded.append(a) or a[0])
@@ -117,9 +118,9 @@ def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
     assert len(calls) == 1
     run(*small)  # too few scores to pay for the round trip
     run(*qkv(4, 9, 3, 1, 100, 64))  # one query a sequence: a decode step's own path
-    run(*qkv(1, 9, 3, 1, cpu_attention.DECODE_MAX_KEYS, 64))  # ... up to so many keys
+    run(*qkv(1, 9, 3, 1, fast_path.DECODE_MAX_KEYS, 64))  # ... up to so many keys
     run(*qkv(16, 9, 3, 1, 2000, 64))  # ... not past them: here, enough scores for numpy's
-    run(*qkv(1, 9, 3, 1, cpu_attention.DECODE_MAX_KEYS + 1, 64))  # ... or MLX's
+    run(*qkv(1, 9, 3, 1, fast_path.DECODE_MAX_KEYS + 1, 64))  # ... or MLX's
     run(*qkv(1, 128, 1, 1, 300, 64))  # many query heads to a key head: MLX's
     assert len(decoded) == 2 and len(calls) == 2
     run(*(a.astype(mx.float16) for a in big))
@@ -130,7 +131,7 @@ def test_small_quantized_or_other_dtypes_go_to_mlx_lm(monkeypatch):
         q, qk, qv, cache=quantized, scale=0.125, mask=None
     )
     assert out.shape == q.shape
-    monkeypatch.setattr(cpu_attention, "enabled", False)
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"attention"}))
     run(*big)
     run(*qkv(4, 9, 3, 1, 100, 64))
     assert len(calls) == 2 and len(decoded) == 2
@@ -146,7 +147,7 @@ def test_install_routes_the_models_attention_here(tiny_model, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(cpu_attention, "attention", counting)
-    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)
+    monkeypatch.setattr(fast_path, "MIN_SCORES", 0)
     import mlx_lm.models.llama as llama
     from mlx_lm.models import base
 
@@ -187,11 +188,11 @@ def test_one_chunk_of_scores_at_a_time(monkeypatch):
 
 
 def test_a_few_queries_a_sequence_go_to_the_kernel(monkeypatch):
-    if not kernel_attention.available():
+    if FAST_PATH.kernels("attention") is None:
         pytest.skip(f"no kernels' module here: {native.problem}")
     kernel, calls = [], []
-    real = kernel_attention.attention
-    monkeypatch.setattr(kernel_attention, "attention", lambda *a: kernel.append(a) or real(*a))
+    real = kernel_attention.run
+    monkeypatch.setattr(kernel_attention, "run", lambda *a: kernel.append(a) or real(*a))
     monkeypatch.setattr(cpu_attention, "attention", lambda *a: calls.append(a) or a[0])
 
     def run(q, k, v, mask=None, cache=None):
@@ -206,6 +207,6 @@ def test_a_few_queries_a_sequence_go_to_the_kernel(monkeypatch):
     run(*qkv(1, 9, 3, 17, 4100, 64), mask="causal")  # a prefill chunk: numpy's softmax
     assert len(kernel) == 3 and len(calls) == 1
     run(*(a.astype(mx.float16) for a in qkv(1, 9, 3, 1, 300, 64)))  # not float32: MLX's
-    monkeypatch.setattr(kernel_attention, "enabled", False)
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"attention.kernel"}))
     run(*qkv(1, 9, 3, 1, 3000, 64))
     assert len(kernel) == 3

@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_cache_server.runtime import kernel_linear, native
+from mlx_cache_server.runtime import fast_path, kernel_linear, native
 
 pytestmark = pytest.mark.skipif(
     native.layers() is None, reason=f"no kernels' module here: {native.problem}"
@@ -198,11 +198,11 @@ def test_a_models_decode_products_run_on_the_kernels_with_its_own_results():
     after, calls = counted(lambda: model(tokens))
     assert calls > 0
     np.testing.assert_allclose(np.array(after), before, rtol=1e-4, atol=1e-4)
-    kernel_linear.enabled = False
+    fast_path.FAST_PATH.off = frozenset({"linear"})
     try:
         _, calls = counted(lambda: model(tokens))
     finally:
-        kernel_linear.enabled = True
+        fast_path.FAST_PATH.off = frozenset()
     assert calls == 0  # off: mlx-lm's own call
 
 
@@ -214,4 +214,4 @@ def test_a_draft_pass_stays_within_what_the_kernels_compute_as_single_steps():
     from mlx_cache_server.runtime.kernel_attention import MAX_QUERIES
 
     assert MAX_DRAFT + 1 <= MAX_QUERIES
-    assert MAX_POSITIONS <= ops().gemm_max_rows() == kernel_linear.MAX_ROWS
+    assert MAX_POSITIONS <= ops().gemm_max_rows() == fast_path.MAX_ROWS

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
+from mlx_cache_server.mlx_adapter.model_patches import GENERATE as generate  # the module
 from mlx_cache_server.runtime import cpu_logprobs
-
-generate = cpu_logprobs.generate  # the module
+from mlx_cache_server.runtime.fast_path import FAST_PATH, Route
 
 INF = float("inf")
 
@@ -55,7 +55,7 @@ def test_other_axes_dtypes_and_off_go_to_mlx(monkeypatch):
     cpu_logprobs.logsumexp(rows, axis=0)
     cpu_logprobs.logsumexp(rows)
     cpu_logprobs.logsumexp(rows.astype(mx.float16), axis=-1)
-    monkeypatch.setattr(cpu_logprobs, "enabled", False)
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"logsumexp"}))
     cpu_logprobs.logsumexp(rows, axis=-1)
     assert [axis for _, axis in calls] == [-1, 0, None, -1, -1]
 
@@ -78,9 +78,9 @@ def test_install_routes_the_batch_generators_normalization_here(tiny_model, monk
 
     monkeypatch.setattr(generate, "mx", mx)  # MLX's, whatever a server installed before
     expected = tokens()
-    calls, eligible = [], cpu_logprobs._eligible
+    calls, route = [], FAST_PATH.logsumexp
     monkeypatch.setattr(
-        cpu_logprobs, "_eligible", lambda *a: calls.append(eligible(*a)) or calls[-1]
+        FAST_PATH, "logsumexp", lambda *a: calls.append(route(*a) is Route.NUMPY) or route(*a)
     )
     assert cpu_logprobs.install()
     assert not cpu_logprobs.install()  # once is enough

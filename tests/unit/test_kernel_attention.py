@@ -8,9 +8,10 @@ import pytest
 from mlx_lm.models import base
 
 from mlx_cache_server.runtime import kernel_attention, native
+from mlx_cache_server.runtime.fast_path import FAST_PATH
 
 pytestmark = pytest.mark.skipif(
-    not kernel_attention.available(), reason=f"no kernels' module here: {native.problem}"
+    FAST_PATH.kernels("attention") is None, reason=f"no kernels' module here: {native.problem}"
 )
 
 

@@ -13,14 +13,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlx_cache_server.runtime import (
-    cpu_activations,
-    cpu_fast_path,
-    forward_together,
-    kernel_attention,
-    kernel_block,
-    native,
-)
+from mlx_cache_server.runtime import cpu_fast_path, forward_together, kernel_block, native
+from mlx_cache_server.runtime.fast_path import FAST_PATH
 from tests.tiny_model import build_tiny_model
 
 built = pytest.mark.skipif(
@@ -88,9 +82,9 @@ def test_the_block_gives_the_model_s_own_bits(tmp_path, monkeypatch, counted, co
     assert all(type(layer) is kernel_block.Block for layer in model.layers)
     ours = outputs(model)
     assert counted.count("block_input") >= 8 * len(model.layers)  # every call above
-    monkeypatch.setattr(kernel_block, "enabled", False)
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"block"}))
     assert all(np.array_equal(a, b) for a, b in zip(outputs(model), ours, strict=True))
-    monkeypatch.setattr(cpu_activations, "enabled", False)  # mlx-lm's own SwiGLU too
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"block", "swiglu"}))  # mlx-lm's SwiGLU too
     assert all(np.array_equal(a, b) for a, b in zip(outputs(model), ours, strict=True))
 
 
@@ -138,13 +132,14 @@ def test_weights_the_ops_refuse_send_the_block_to_mlx_lm_s(tmp_path, monkeypatch
     q.weight = mx.array(np.ascontiguousarray(original.T)).T  # the same values, transposed
     mx.eval(q.weight)
     ours = outputs(model)  # no error: layer 0 runs as mlx-lm's, layer 1 as two nodes
-    monkeypatch.setattr(kernel_block, "enabled", False)
+    monkeypatch.setattr(FAST_PATH, "off", frozenset({"block"}))
     assert all(np.array_equal(a, b) for a, b in zip(outputs(model), ours, strict=True))
 
 
 @built
 @pytest.mark.skipif(
-    not kernel_attention.available(), reason="attention through numpy evaluates the block's input"
+    FAST_PATH.kernels("attention") is None,
+    reason="attention through numpy evaluates the block's input",
 )
 def test_a_step_is_two_nodes_a_block_around_attention(tmp_path):
     model = load(str(build_tiny_model(tmp_path)))[0]

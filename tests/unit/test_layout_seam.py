@@ -10,13 +10,6 @@ import ast
 
 from tests.unit.test_layout import ADAPTER, PACKAGES, modules, terminal_name
 
-# Until another change moves them into the seam, these modules still replace functions of
-# mlx-lm's and MLX's or swap a block's class: the merger of that change removes this set.
-PENDING = {
-    "mlx_cache_server.runtime.cpu_logprobs",
-    "mlx_cache_server.runtime.model_hooks",
-    "mlx_cache_server.runtime.kernel_block",
-}
 THIRD_PARTY_PRIVATE = ("mlx", "mlx_lm")  # whose private modules and names no import names
 # Standard-library names with a leading underscore that are public API.
 PUBLIC_UNDERSCORED = {"_exit", "_replace", "_asdict", "_fields", "_make", "_field_defaults"}
@@ -131,11 +124,9 @@ def test_nothing_outside_the_seam_reaches_into_a_third_partys_internals():
     trees = {n: ast.parse(p.read_text()) for n, p in outside.items()}
     own = own_names(list(trees.values()))
     found = {n: reaches_in(t, own, is_third_party_module) for n, t in trees.items()}
-    assert {n: f for n, f in found.items() if f and n not in PENDING} == {}, (
+    assert {n: f for n, f in found.items() if f} == {}, (
         "move these into mlx_cache_server/mlx_adapter"
     )
-    # A module moved or cleaned up leaves `PENDING`, which is empty once all have.
-    assert {n for n in PENDING if n in found and not found[n]} == set()
 
 
 PLANTED = """
