@@ -201,5 +201,10 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "http": protocol,
         # h11 refuses a request whose headers pass this many bytes; GuardedH11 answers 431.
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        # The Responses API's WebSocket (routes/responses.py) through the `websockets`
+        # library, named rather than left to "auto", which takes whichever is installed; its
+        # messages are request bodies, held to the same limit.
+        "ws": "websockets-sansio",
+        "ws_max_size": settings.max_body_bytes,
     }
     return uvicorn.Config(app, **{**options, **overrides})
