@@ -73,6 +73,12 @@ class GuardedH11(H11Protocol):
         if self._deadline is not None and self.cycle is not self._cycle_before:
             self._stop_deadline()  # the headers are in: the request is the app's now
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # The headers are in and the connection is the WebSocket's from here: no request
+        # follows for the deadline to wait for (left armed, it would cut the socket).
+        self._stop_deadline()
+        super().handle_websocket_upgrade(event)
+
     def on_response_complete(self) -> None:
         if self.transport.is_closing():
             super().on_response_complete()

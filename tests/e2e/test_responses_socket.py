@@ -6,6 +6,7 @@ checked on the upgrade."""
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -86,6 +87,48 @@ def test_the_key_is_checked_on_the_upgrade(tiny_model_dir):
         body = json.loads(refused.value.response.body)
         assert body["error"]["code"] == "invalid_api_key"
         with connect(url, additional_headers={"Authorization": "Bearer sesame"}) as socket:
+            socket.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi",
+                                    "max_output_tokens": 2}))  # fmt: skip
+            assert json.loads(socket.recv(timeout=60))["type"] == "response.created"
+
+
+def test_a_warm_up_generates_nothing_and_the_next_request_names_it(live):
+    """Codex's first request on a new socket: `generate: false`, no input."""
+    url = live.url.replace("http", "ws") + "/v1/responses"
+    with connect(url) as socket:
+        socket.send(json.dumps({"type": "response.create", "model": "tiny", "input": [],
+                                "store": False, "generate": False}))  # fmt: skip
+        created, done = (json.loads(socket.recv(timeout=60)) for _ in range(2))
+        assert created["type"] == "response.created" and done["type"] == "response.completed"
+        assert done["response"]["output"] == [] and done["response"]["usage"]["input_tokens"] == 0
+        socket.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi",
+                                "max_output_tokens": 2, "store": False,
+                                "previous_response_id": done["response"]["id"]}))  # fmt: skip
+        kinds = [json.loads(socket.recv(timeout=60))["type"]]
+        while kinds[-1] not in ("response.completed", "response.incomplete", "error"):
+            kinds.append(json.loads(socket.recv(timeout=60))["type"])
+        assert kinds[0] == "response.created" and kinds[-1] != "error", kinds
+
+
+def test_the_tools_of_an_additional_tools_item_are_offered():
+    """Codex asking for "responses lite" (as it does with only `openai_base_url`) sends its
+    tools in an input item, not in `tools`."""
+    from mlx_cache_server.serving.responses_input import ResponsesRequest, to_chat
+
+    tool = {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}
+    item = {"type": "additional_tools", "role": "developer", "tools": [tool]}
+    req = ResponsesRequest(model="m", input=[item, {"role": "user", "content": "hi"}])
+    chat, offered = to_chat(req)
+    assert [t["function"]["name"] for t in chat.tools] == ["exec_command"]
+    assert "exec_command" in offered
+
+
+def test_a_socket_outlives_the_deadline_for_a_requests_headers(tiny_model_dir):
+    """Its upgrade request's headers came in time: the deadline for the next request's is
+    not the socket's (Codex's first response, a long prefill, was cut at it)."""
+    with serving(str(tiny_model_dir), served_model_name="tiny", header_timeout=0.5) as quick:
+        with connect(quick.url.replace("http", "ws") + "/v1/responses") as socket:
+            time.sleep(1.5)
             socket.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi",
                                     "max_output_tokens": 2}))  # fmt: skip
             assert json.loads(socket.recv(timeout=60))["type"] == "response.created"
