@@ -1,8 +1,9 @@
 """The real coding agents, installed from npm at the releases pinned below, each given nothing
 but our base URL: Codex CLI through /v1/responses (over its WebSocket, with only
 `openai_base_url`), Claude Code through /v1/messages and OpenCode through
-/v1/chat/completions complete a non-interactive turn, and a second session is served from
-the cache, in another folder too.
+/v1/chat/completions complete a non-interactive turn, and a second session, in another
+folder, is served from the cache. OpenCode and the Agents SDK (installed from PyPI at its pin)
+given only `OPENAI_BASE_URL` complete a turn with their own models' names.
 
 The model is `build_agent_model`: the tiny layers under the default model's tokenizer and
 template (which knows no tools: the agents' tools go through the server's own protocol),
@@ -16,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ import pytest
 CODEX = "@openai/codex@0.171.0"
 CLAUDE = "@anthropic-ai/claude-code@2.1.332"
 OPENCODE = "opencode-ai@1.18.33"
-AGENTS_SDK = "openai-agents==0.24.0"  # recorded in tests/fixtures/agents/, not run here
+AGENTS_SDK = "openai-agents==0.24.0"
 REPLY = "Hello there!"  # what build_agent_model answers (tests/conftest.py)
 
 
@@ -42,6 +44,19 @@ def clis(tmp_path_factory) -> Path:
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     return folder / "node_modules" / ".bin"
+
+
+@pytest.fixture(scope="module")
+def agents_sdk(tmp_path_factory) -> Path:
+    """A folder holding the Agents SDK at its pin with its dependencies, for PYTHONPATH."""
+    folder = tmp_path_factory.mktemp("agents-sdk")
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--target", str(folder), AGENTS_SDK],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if installed.returncode != 0:
+        pytest.skip(f"{AGENTS_SDK} could not be installed: {installed.stderr[-500:]}")
+    return folder
 
 
 def requests_logged(log: Path) -> list[dict]:
@@ -148,3 +163,38 @@ def test_opencode_completes_a_turn_and_a_second_session_is_cached(clis, agent_se
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     # Its `Working directory:` line, deep in the system prompt, comes after the tools.
     assert session_share(log, before, "/v1/chat/completions") >= 0.6
+
+
+def test_opencode_with_only_openai_base_url_completes_a_turn(clis, agent_server, tmp_path):
+    """No provider configured: OpenCode's own `openai` provider asks for its own model over
+    the Responses API, and the served model answers it."""
+    url, log = agent_server
+    since = len(log.read_text())
+    env = {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": "unused"}
+    done = run([str(clis / "opencode"), "run", "Say hi."], tmp_path, **env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert REPLY in done.stdout
+    assert not refused(log, since)
+
+
+SDK_TURN = """
+from agents import Agent, Runner, set_tracing_disabled
+
+set_tracing_disabled(True)  # traces go to OpenAI's servers
+print(Runner.run_sync(Agent(name="helper", instructions="Be brief."), "Say hi.").final_output)
+"""
+
+
+def test_the_agents_sdk_with_only_openai_base_url_completes_a_turn(
+    agents_sdk, agent_server, tmp_path
+):
+    """Its default client and model (the Responses API, a model of OpenAI's), as a script
+    given nothing but the environment's base URL and key."""
+    url, log = agent_server
+    since = len(log.read_text())
+    env = {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": "unused",
+           "PYTHONPATH": str(agents_sdk)}  # fmt: skip
+    done = run([sys.executable, "-c", SDK_TURN], tmp_path, **env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert REPLY in done.stdout
+    assert not refused(log, since)
