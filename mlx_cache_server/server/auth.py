@@ -11,6 +11,7 @@ import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
+from starlette.requests import HTTPConnection
 
 from ..serving.api_errors import APIError
 from .state import server_state
@@ -20,7 +21,7 @@ def tenant_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _bearer(request: Request) -> str | None:
+def _bearer(request: HTTPConnection) -> str | None:
     """The key a client sent: `Authorization: Bearer` (OpenAI) or `x-api-key` (Anthropic)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
@@ -35,8 +36,9 @@ def _matches(token: str | None, keys: list[str]) -> bool:
     return any([hmac.compare_digest(given, k.encode()) for k in keys]) and token is not None
 
 
-def authorize(request: Request) -> str | None:
-    """The caller's tenant (None when the server has no keys)."""
+def authorize(request: HTTPConnection) -> str | None:
+    """The caller's tenant (None when the server has no keys); a WebSocket's from its
+    upgrade request's headers."""
     keys = server_state(request).settings.api_keys
     if not keys:
         return None

@@ -73,6 +73,12 @@ class GuardedH11(H11Protocol):
         if self._deadline is not None and self.cycle is not self._cycle_before:
             self._stop_deadline()  # the headers are in: the request is the app's now
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # The headers are in and the connection is the WebSocket's from here: no request
+        # follows for the deadline to wait for (left armed, it would cut the socket).
+        self._stop_deadline()
+        super().handle_websocket_upgrade(event)
+
     def on_response_complete(self) -> None:
         if self.transport.is_closing():
             super().on_response_complete()
@@ -201,5 +207,10 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         "http": protocol,
         # h11 refuses a request whose headers pass this many bytes; GuardedH11 answers 431.
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
+        # The Responses API's WebSocket (routes/responses.py) through the `websockets`
+        # library, named rather than left to "auto", which takes whichever is installed; its
+        # messages are request bodies, held to the same limit.
+        "ws": "websockets-sansio",
+        "ws_max_size": settings.max_body_bytes,
     }
     return uvicorn.Config(app, **{**options, **overrides})

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, Request
+from fastapi import Depends
+from starlette.requests import HTTPConnection
 
 from ..models.pool import ModelBusy, ModelPool, ModelTooLarge, ModelUnavailable, UnknownModel
 from ..serving.api_errors import APIError
@@ -106,7 +107,7 @@ def pool_errors(pool: ModelPool) -> Iterator[None]:
         ) from None
 
 
-def server_state(request: Request) -> ServerState:
+def server_state(request: HTTPConnection) -> ServerState:
     return request.app.state.server
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 
 from ..engine import Delta, Failed, Finished, Started
+from .api_errors import APIError
 from .chat import ChatCompletionsServing, Run
 from .generation import (
     collect,
@@ -33,7 +34,7 @@ from .generation import (
 )
 from .openai_bodies import FunctionCall, ToolCall, ToolCallDelta
 from .response_store import ResponseStore
-from .responses_input import Offered, ResponsesRequest, input_items, to_chat
+from .responses_input import Offered, ResponsesRequest, input_items, offered_tools, to_chat
 from .sse import KEEP_ALIVE, KEEP_ALIVE_EVERY, EventStream
 
 ROUTE = "/v1/responses"
@@ -57,23 +58,36 @@ class ResponsesServing:
         self.chat = chat
         self.store = store if store is not None else ResponseStore()
 
-    async def create(self, req: ResponsesRequest, request: Request, tenant: str | None) -> Any:
+    async def create(
+        self,
+        req: ResponsesRequest,
+        request: Request | None,
+        tenant: str | None,
+        kept: ResponseStore | None = None,
+    ) -> Any:
+        """`request`: the HTTP request, None over a WebSocket (whose requests are streamed).
+        `kept`: a WebSocket connection's own memory of its last response, looked in first
+        for `previous_response_id` and given every response whatever `store` says."""
         conversation = list(input_items(req))
         if req.previous_response_id is not None:
-            earlier = self.store.conversation(tenant, req.previous_response_id)
+            earlier = self._earlier(tenant, req.previous_response_id, kept)
             conversation = [*earlier, *conversation]
+        stores = [self.store] if req.store is not False else []
+        stores += [kept] if kept is not None else []
+        if (req.model_extra or {}).get("generate") is False:
+            return _warm_up(req, tenant, conversation, stores)
         whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
         # Custom tools' grammars are read and checked in the translation: grammar work.
-        translate = compiling if _grammars_in(req.tools) else off_loop
+        translate = compiling if _grammars_in(offered_tools(whole)) else off_loop
         chat, offered = await translate(to_chat, whole)
         run = await self.chat.start(chat, tenant, route=ROUTE)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
-        if req.store is not False:
-            response.on_done = lambda items: self.store.put(
-                tenant, response.id, [*conversation, *items]
-            )
+        if stores:
+            response.on_done = lambda items: _put(stores, tenant, response.id,
+                                                  [*conversation, *items])  # fmt: skip
         if req.stream:
             return EventStream(response.stream(run))
+        assert request is not None, "only a streamed request comes without its HTTP request"
         result = await until_disconnected(request, collect(run.events))
         thought, text, calls = run.reply.whole_all(result.text)
         status = "incomplete" if result.finish_reason == "length" else "completed"
@@ -86,6 +100,41 @@ class ResponsesServing:
         usage = _usage(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
         response.on_done(items)
         return response.body(items, result.finish_reason, usage)
+
+    def _earlier(self, tenant: str | None, response_id: str, kept: ResponseStore | None) -> list:
+        """The conversation of `response_id`: the connection's, else a stored one (or 404)."""
+        if kept is not None:
+            with contextlib.suppress(APIError):  # not the connection's: maybe stored
+                return kept.conversation(tenant, response_id)
+        return self.store.conversation(tenant, response_id)
+
+
+def _put(stores: list[ResponseStore], tenant: str | None, rid: str, items: list) -> None:
+    for store in stores:
+        store.put(tenant, rid, items)
+
+
+def _warm_up(
+    req: ResponsesRequest, tenant: str | None, conversation: list, stores: list[ResponseStore]
+) -> Any:
+    """A `generate: false` request (Codex's first on a new WebSocket, with no input): a
+    response with no output, kept like any other for the next to name in
+    `previous_response_id`. Nothing is computed: the request that follows prefills it all,
+    through the cache as ever."""
+    response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), {})
+    _put(stores, tenant, response.id, conversation)
+    done = response.body([], "stop", _usage(0, 0, 0))
+    if not req.stream:
+        return done
+    started = response.body([], None, None, "in_progress")
+    events = [response.event("response.created", response=started),
+              response.event("response.completed", response=done)]  # fmt: skip
+    return EventStream(_replay(events))
+
+
+async def _replay(events: list[str]) -> AsyncIterator[str]:
+    for event in events:
+        yield event
 
 
 def _custom_input(arguments: str) -> str:

@@ -46,7 +46,8 @@ HOSTED_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_
                 "computer_use_preview", "computer_use", "image_generation", "local_shell", "shell",
                 "apply_patch", "mcp", "tool_search", "programmatic_tool_calling"}  # fmt: skip
 # Input items of those tools' calls (and items that stand for stored ones): accepted and left
-# out of the prompt, as the tools themselves are.
+# out of the prompt, as the tools themselves are. An `additional_tools` item's tools are
+# offered as the request's own (`offered_tools`); the item itself says nothing more.
 HOSTED_ITEMS = {"web_search_call", "file_search_call", "code_interpreter_call",
                 "computer_call", "computer_call_output", "image_generation_call",
                 "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output",
@@ -154,7 +155,7 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
         thought = None
     if not messages:
         raise APIError(400, "The input is empty.", param="input")
-    tools, offered = _tools(req.tools or [])
+    tools, offered = _tools(offered_tools(req))
     choice, tools = _tool_choice(req.tool_choice, offered, tools)
     chat = {
         "model": req.model,
@@ -167,6 +168,18 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
         "response_format": _format(req.text),
     }
     return chat_request(chat), offered
+
+
+def offered_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The tools the request offers: its `tools`, then those of its `additional_tools` input
+    items (how Codex sends its tools when it asks for OpenAI's "responses lite")."""
+    extra = [
+        tool
+        for item in input_items(req)
+        if isinstance(item, dict) and item.get("type") == "additional_tools"
+        for tool in (item.get("tools") if isinstance(item.get("tools"), list) else [])
+    ]
+    return [*(req.tools or []), *extra]
 
 
 def _untyped(item: dict[str, Any]) -> str:

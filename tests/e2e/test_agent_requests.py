@@ -1,6 +1,7 @@
 """The request bodies the real agents sent (tests/fixtures/agents/, recorded through a proxy)
-replayed as they were, on a template without tools and on one with: each is answered 200 and
-well formed, in its API's stream or body."""
+replayed as they were (a WebSocket's `response.create` as the POST it stands for), on a
+template without tools and on one with: each is answered 200 and well formed, in its API's
+stream or body."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ def test_the_methods_the_guards_override_exist_with_the_same_signatures():
         "pause_writing": ["self"],
         "resume_writing": ["self"],
         "send_400_response": ["self", "msg"],
+        "handle_websocket_upgrade": ["self", "event"],
     }.items():
         assert list(inspect.signature(getattr(H11Protocol, name)).parameters) == params, name
     assert inspect.iscoroutinefunction(uvicorn.Server._wait_tasks_to_complete)
