@@ -58,8 +58,12 @@ class Engine:
         kv_group_size: int = 64,
         speculation: bool = True,
         draft: DraftModel | None = None,
+        vision: Any = None,
+        no_images: str = "it is not a vision model",
     ) -> None:
         self.model = model
+        # A vision model's images (`models.vision_load.Vision`), or why it takes none.
+        self.vision, self.no_images = vision, no_images
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.cache = cache

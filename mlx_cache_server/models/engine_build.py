@@ -24,6 +24,7 @@ from .fingerprint import kv_fingerprint
 from .folders import generation_config, model_folder
 from .sharding import load_shard
 from .specs import model_id as model_id_of
+from .vision_load import open_vision
 
 log = logging.getLogger("mlx_cache_server")
 CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "context_length")  # configs name it so
@@ -49,6 +50,9 @@ def build_engine(
         else:
             log.info("our CPU kernels: %s", native.variant)
     folder = model_folder(model_path)
+    vision, no_images = None, "it is not a vision model"
+    if folder is not None and group is None:  # after the fast path: it wraps its embedding
+        vision, no_images = open_vision(folder, model)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or context_length_of(model)
     model_id = settings.served_model_name or model_id_of(model_path)
@@ -88,6 +92,8 @@ def build_engine(
         kv_group_size=settings.kv_group_size,
         speculation=(speculate := speculation_pays(settings)),
         draft=load_draft(settings, tokenizer) if settings.draft_model and speculate else None,
+        vision=vision,
+        no_images=no_images,
     )
     if cache is not None:
         log.info("prompt cache for %s: %s", model_id, _mode_in_words(engine))

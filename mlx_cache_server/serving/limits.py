@@ -88,12 +88,14 @@ def text_chars(*values: Any, stop_after: int | None = None) -> int:
     """Characters of `values` written out as text: every string (dicts' keys too) and
     every other scalar as its JSON, each container its brackets and separators at least,
     pydantic models by their fields' values. Walked without recursion, so any nesting is
-    measured; past `stop_after` the walk ends, returning what it has counted so far."""
+    measured; past `stop_after` the walk ends, returning what it has counted so far. An
+    image's data URL counts as one character: it is never tokenized as text (`images`
+    bounds it)."""
     total, stack = 0, list(values)
     while stack:
         value = stack.pop()
         if isinstance(value, str):
-            total += len(value)
+            total += 1 if value.startswith("data:image/") else len(value)
         elif isinstance(value, dict):
             total += 2 + sum(1 + (len(k) if isinstance(k, str) else 1) for k in value)
             stack.extend(value.values())

@@ -17,6 +17,7 @@ only where the client's input is at fault, and says what; `apply_template` says 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -26,25 +27,38 @@ from mlx_cache_server.prompt_cache.radix import common_prefix_length
 from ..engine import Engine
 from . import attribution, call_history, call_markup, harmony, prompted_tools
 from .api_errors import APIError
+from .images import counted, from_data_url
 from .openai_bodies import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
 
 log = logging.getLogger("mlx_cache_server")
 
 
-def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
-    """A chat message as chat templates read it."""
+def template_message(
+    m: ChatMessage, index: int, images: list[Any] | None = None, no_images: str = ""
+) -> dict[str, Any]:
+    """A chat message as chat templates read it. With `images` (a vision model's request),
+    its image parts are decoded onto that list and stay parts of its content, where the
+    template writes each one's marker; without, an image part is a 400 saying
+    `no_images`."""
     if isinstance(m.content, list):
-        texts = []
+        texts, parts = [], []
         for j, part in enumerate(m.content):
+            param = f"messages[{index}].content[{j}]"
+            if part.type == "image_url" and images is not None:
+                url = (part.model_extra or {}).get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(from_data_url(url, f"{param}.image_url.url"))
+                parts.append({"type": "image"})
+                continue
             if part.type != "text" or part.text is None:
-                raise APIError(
-                    400,
-                    f"Only text content parts are supported; got a '{part.type}' part.",
-                    param=f"messages[{index}].content[{j}]",
-                )
+                message = f"Only text content parts are supported; got a '{part.type}' part."
+                if part.type == "image_url":
+                    message = f"This model does not take images: {no_images}."
+                raise APIError(400, message, param=param)
             texts.append(part.text)
-        content = "".join(texts)
+            parts.append({"type": "text", "text": part.text})
+        content: Any = parts if len(parts) > len(texts) else "".join(texts)
     else:
         content = m.content or ""
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
@@ -80,7 +94,10 @@ def render_marked(
     template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], tuple[int, ...]]:
     """`render`'s tokens, and for a hybrid model where its messages end among them."""
-    messages = [template_message(m, i) for i, m in enumerate(req.messages)]
+    images: list[Any] | None = [] if engine.vision is not None else None
+    messages = [
+        template_message(m, i, images, engine.no_images) for i, m in enumerate(req.messages)
+    ]
     if strip_attribution:
         messages = attribution.strip_attribution(messages)
     if not tools.templated:
@@ -94,14 +111,32 @@ def render_marked(
     # A forced call in the model's own markup: the prompt is the template's write-back
     # of a call turn, its opening marker already written (`call_markup.prompt_text`).
     written = forced_prompt(engine.tokenizer, messages, kwargs, tools)
-    if written is not None:
+    tokenize = None
+    if images:
+        tokenize = image_tokens(engine, counted(images))
+        text = engine.tokenizer.apply_chat_template(messages, **kwargs, tokenize=False)
+        tokens = tokenize(written if written is not None else text + tools.prefix)
+    elif written is not None:
         tokens = engine.tokenizer.encode(written, add_special_tokens=False)
     else:
         tokens += engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
     marks = ()
     if engine.cache is not None and engine.cache_mode == "checkpointed":
-        marks = message_ends(engine.tokenizer, messages, kwargs, tokens)
+        marks = message_ends(engine.tokenizer, messages, kwargs, tokens, tokenize)
     return tokens, marks
+
+
+def image_tokens(engine: Engine, images: list[Any]) -> Callable[[str], list[int]]:
+    """Rendered text to tokens for a vision model: each of the first of `images` that the
+    text has markers for at its marker, as its ids (`models.vision`)."""
+
+    def tokenize(text: str) -> list[int]:
+        try:
+            return engine.vision.tokens(text, images[: text.count(engine.vision.marker)])
+        except ValueError as e:
+            raise APIError(400, f"The images cannot be placed: {e}", param="messages") from e
+
+    return tokenize
 
 
 def templated_history(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -198,7 +233,11 @@ def forced_prompt(
 
 
 def message_ends(
-    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], tokens: list[int]
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    kwargs: dict[str, Any],
+    tokens: list[int],
+    tokenize: Callable[[str], list[int]] | None = None,
 ) -> tuple[int, ...]:
     """Where the leading system messages and all the messages end in `tokens`, and where
     the generation prompt parts from an assistant turn as the template writes one back
@@ -212,7 +251,10 @@ def message_ends(
     out = []
     for head in heads:
         try:
-            rendered = tokenizer.apply_chat_template(head, **plain)
+            if tokenize is None:
+                rendered = tokenizer.apply_chat_template(head, **plain)
+            else:  # a prompt with images: rendered as its text, its images placed
+                rendered = tokenize(tokenizer.apply_chat_template(head, **plain, tokenize=False))
         except Exception:  # a template that refuses this shape: no mark, no harm
             continue
         n = common_prefix_length(list(rendered), tokens)

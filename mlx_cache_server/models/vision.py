@@ -1,0 +1,170 @@
+"""A vision model's images, as tokens the engine and the prompt cache already handle.
+
+mlx-lm loads a vision checkpoint's language model (its `gemma3`, `qwen3_vl`, `mistral3`
+modules drop the vision weights), and everything the engine does (batching, the cache,
+speculation, the CPU fast path) works on token ids. So an image enters as ids: each of
+its placeholder positions gets an id of its own above the vocabulary (`ImageIds`), the
+same ids for the same pixels, and the model's token embedding (`ImageEmbedding`, put in
+place of the language model's) gives those ids the image's features, computed by
+mlx-vlm's vision encoder on the engine's thread when a pass first needs them.
+
+Invariants:
+- An image id names one position of one image's pixels (as the processor gave them, so a
+  resize that changes them is another image); two different images never share an id,
+  so the radix tree matches an image only where the very same pixels were prefilled.
+- Ids are never reused in a process: a released image's ids stay retired, so a cached
+  sequence holding them can never match another image.
+- Features are kept for recent images within `feature_bytes`; an image whose features
+  were dropped is encoded again from its pixels, which are kept while it is registered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+IMAGE_BASE = 1 << 30  # image ids start here: above any vocabulary, within int32
+IMAGE_END = 1 << 31
+
+
+@dataclass
+class Image:
+    """One image as the model takes it: its pixels and the ids of its positions."""
+
+    digest: bytes
+    pixels: np.ndarray  # the processor's pixel values of this image alone (1, C, H, W)
+    first: int  # its first id
+    count: int  # its positions
+
+
+class ImageIds:
+    """The ids of each image's positions: a block per distinct digest, never reused."""
+
+    def __init__(self, max_images: int = 256) -> None:
+        self._lock = threading.Lock()
+        self._next = IMAGE_BASE
+        self._by_digest: OrderedDict[bytes, Image] = OrderedDict()
+        self._firsts: list[int] = []  # sorted: ids are handed out in increasing order
+        self._by_first: dict[int, Image] = {}
+        self.max_images = max_images
+
+    def register(self, pixels: np.ndarray, count: int) -> Image:
+        """The image of these pixels, with `count` positions: the same ids as before for
+        the same pixels, new ones otherwise."""
+        digest = pixel_digest(pixels)
+        with self._lock:
+            known = self._by_digest.get(digest)
+            if known is not None and known.count == count:
+                self._by_digest.move_to_end(digest)
+                return known
+            if self._next + count > IMAGE_END:
+                raise ValueError("this server has handed out every image id it has")
+            image = Image(digest, pixels, self._next, count)
+            self._next += count
+            self._by_digest[digest] = image
+            self._firsts.append(image.first)
+            self._by_first[image.first] = image
+            while len(self._by_digest) > self.max_images:  # its ids stay retired
+                _, old = self._by_digest.popitem(last=False)
+                del self._by_first[old.first]
+            return image
+
+    def of(self, token: int) -> Image | None:
+        """The registered image one of whose ids is `token`; None if it was released."""
+        with self._lock:
+            i = bisect_right(self._firsts, token) - 1
+            image = self._by_first.get(self._firsts[i]) if i >= 0 else None
+        if image is None or not image.first <= token < image.first + image.count:
+            return None
+        return image
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+
+def pixel_digest(pixels: np.ndarray) -> bytes:
+    """A digest of an image's pixel values, their shape and type included."""
+    h = hashlib.sha256(repr((pixels.shape, str(pixels.dtype))).encode())
+    h.update(np.ascontiguousarray(pixels).tobytes())
+    return h.digest()
+
+
+Encode = Callable[[Image], mx.array]  # an image -> its (positions, hidden) embeddings
+
+
+class Features:
+    """Recent images' features within a byte budget, encoded when first asked for."""
+
+    def __init__(self, encode: Encode, budget: int) -> None:
+        self._encode, self._budget = encode, budget
+        self._held: OrderedDict[bytes, mx.array] = OrderedDict()
+        self.encoded = 0  # images encoded so far (a cached image's turn encodes none)
+
+    def of(self, image: Image) -> mx.array:
+        features = self._held.get(image.digest)
+        if features is not None:
+            self._held.move_to_end(image.digest)
+            return features
+        features = self._encode(image)
+        if features.shape[0] != image.count:
+            raise ValueError(
+                f"the vision encoder gave {features.shape[0]} positions for an image of "
+                f"{image.count}"
+            )
+        self.encoded += 1
+        self._held[image.digest] = features
+        while len(self._held) > 1 and self.nbytes() > self._budget:
+            self._held.popitem(last=False)
+        return features
+
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self._held.values())
+
+
+class ImageEmbedding(nn.Module):
+    """The language model's token embedding, giving image ids their image's features.
+
+    Text ids go to the embedding it replaces (kept as `text`, so a tied output head and
+    our module replacements still find it); image ids get rows of their image's
+    features (`Features`)."""
+
+    def __init__(self, text: nn.Module, ids: ImageIds, features: Features) -> None:
+        super().__init__()
+        self.text = text
+        self.images, self.features = ids, features
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        # A decode step's input is sampled tokens, never an image's: looking would wait for
+        # the step before it, which mlx-lm overlaps with this one.
+        if len(self.images) == 0 or tokens.shape[-1] == 1:
+            return self.text(tokens)
+        host = np.asarray(tokens)
+        at = host >= IMAGE_BASE
+        if not at.any():
+            return self.text(tokens)
+        embedded = self.text(mx.array(np.where(at, 0, host).astype(host.dtype)))
+        parts, index, start = [], np.zeros(host.shape, dtype=np.int32), 0
+        last: Image | None = None
+        for token in np.unique(host[at]).tolist():  # sorted: an image's ids side by side
+            image = self.images.of(token)
+            if image is None:
+                raise ValueError("an image of this prompt is no longer registered")
+            if image is not last:
+                parts.append(self.features.of(image))
+                base, last = start - image.first, image
+                start += image.count
+            index[host == token] = base + token
+        table = mx.concatenate(parts)
+        images = table[mx.array(index)].astype(embedded.dtype)
+        return mx.where(mx.array(at)[..., None], images, embedded)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.text.as_linear(x)

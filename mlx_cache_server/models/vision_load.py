@@ -1,0 +1,116 @@
+"""A vision checkpoint opened for images: mlx-vlm's processor and vision encoder beside the
+language model mlx-lm loaded, its token embedding replaced by `vision.ImageEmbedding`.
+
+mlx-vlm is an optional extra (`pip install "mlx-cache-server[vision]"`); without it, or for
+a model family not in `FAMILIES`, a vision checkpoint is served for text as before and a
+request with an image gets a 400 saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .vision import Features, Image, ImageEmbedding, ImageIds
+
+log = logging.getLogger("mlx_cache_server")
+
+# Families whose image is one run of placeholder positions, embedded by mlx-vlm's
+# `get_input_embeddings` and then read by a language model with plain positions.
+FAMILIES = {"gemma3"}
+FEATURE_BYTES = 256 * 1024**2  # recent images' features kept (beside the KV cache)
+
+
+@dataclass
+class Vision:
+    """What a served vision model needs to take images: its processor, its placeholder
+    token, the ids handed to images and their features."""
+
+    processor: Any
+    marker: str  # what the chat template writes for an image, which the processor expands
+    image_token: int
+    ids: ImageIds
+    features: Features
+
+    def tokens(self, text: str, images: list[Any]) -> list[int]:
+        """The prompt's tokens for `text` (the chat template's output, one image marker per
+        image) with `images` (PIL images): each image's positions its own ids."""
+        out = self.processor(text=[text], images=images, return_tensors="np")
+        tokens = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        pixels = np.asarray(out["pixel_values"])
+        runs = _runs(tokens, self.image_token)
+        if len(runs) != len(images) or pixels.shape[0] != len(images):
+            raise ValueError(f"the template placed {len(runs)} images for the {len(images)} given")
+        for i, (start, end) in enumerate(runs):
+            image = self.ids.register(pixels[i : i + 1], end - start)
+            tokens[start:end] = range(image.first, image.first + image.count)
+        return tokens
+
+
+def vision_family(folder: Path) -> str | None:
+    """The model family of a vision checkpoint's folder; None for a text model's."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if "vision_config" in config else None
+
+
+def open_vision(folder: Path, model: nn.Module) -> tuple[Vision | None, str]:
+    """The checkpoint in `folder` opened for images, `model` (mlx-lm's load of its language
+    model) given `ImageEmbedding`; (None, why) where it cannot take them."""
+    family = vision_family(folder)
+    if family is None:
+        return None, "it is not a vision model"
+    if family not in FAMILIES:
+        return None, f"images are not supported for the {family!r} family yet"
+    try:
+        from mlx_vlm.utils import load_model, load_processor
+    except ImportError:
+        return None, 'the vision extra is not installed (pip install "mlx-cache-server[vision]")'
+    owner, text = _embedding(model)
+    vlm = load_model(folder, lazy=True)
+    # Its language model is mlx-lm's: it shares that embedding and loads no weight of its own.
+    vlm.language_model.model.embed_tokens = text
+    mx.eval([v for k, v in tree_flatten(vlm.parameters()) if not k.startswith("language_model")])
+    processor = load_processor(folder)
+    image_token = int(vlm.config.image_token_index)
+
+    def encode(image: Image) -> mx.array:
+        ids = mx.array([[image_token] * image.count])
+        mask = mx.ones(ids.shape)
+        return vlm.get_input_embeddings(ids, mx.array(image.pixels), mask=mask).inputs_embeds[0]
+
+    ids = ImageIds()
+    owner.embed_tokens = ImageEmbedding(text, ids, Features(encode, FEATURE_BYTES))
+    marker = getattr(processor, "boi_token", None) or processor.image_token
+    return Vision(processor, marker, image_token, ids, owner.embed_tokens.features), ""
+
+
+def _embedding(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The module holding the language model's token embedding, and that embedding."""
+    for _, module in model.named_modules():
+        found = module.get("embed_tokens") if isinstance(module, nn.Module) else None
+        if isinstance(found, nn.Module):
+            return module, found
+    raise ValueError("the language model has no token embedding (embed_tokens)")
+
+
+def _runs(tokens: list[int], token: int) -> list[tuple[int, int]]:
+    """The [start, end) of each run of `token` in `tokens`."""
+    runs, start = [], None
+    for i, t in enumerate([*tokens, None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
