@@ -76,6 +76,8 @@ def build_engine(
         if group is not None:
             measure = rank_bytes(model, group, settings.pipeline)
         cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk, measure)
+        if vision is not None and disk is not None:  # its sequences hold image ids
+            vision.ids.keep_in(disk.folder / "image-ids")
     engine = Engine(
         model,
         tokenizer,

@@ -14,6 +14,9 @@ Invariants:
   so the radix tree matches an image only where the very same pixels were prefilled.
 - Ids are never reused in a process: a released image's ids stay retired, so a cached
   sequence holding them can never match another image.
+- Ids are never handed out twice across restarts where the cache outlives the process
+  (the disk tier): `keep_in` records each block of ids before any of it is used, and
+  each image's ids, so a restarted server gives the same pixels the same ids.
 - Features are kept for recent images within `feature_bytes`; an image whose features
   were dropped is encoded again from its pixels, which are kept while it is registered.
 """
@@ -21,11 +24,14 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +39,7 @@ import numpy as np
 
 IMAGE_BASE = 1 << 30  # image ids start here: above any vocabulary, within int32
 IMAGE_END = 1 << 31
+RESERVE = 1 << 16  # ids recorded as handed out at a time, before any of them is used
 
 
 @dataclass
@@ -40,7 +47,7 @@ class Image:
     """One image as the model takes it: its pixels and the ids of its positions."""
 
     digest: bytes
-    pixels: np.ndarray  # the processor's pixel values of this image alone (1, C, H, W)
+    pixels: np.ndarray | None  # the processor's pixel values of it alone; None if recalled
     first: int  # its first id
     count: int  # its positions
 
@@ -52,9 +59,55 @@ class ImageIds:
         self._lock = threading.Lock()
         self._next = IMAGE_BASE
         self._by_digest: OrderedDict[bytes, Image] = OrderedDict()
-        self._firsts: list[int] = []  # sorted: ids are handed out in increasing order
+        self._firsts: list[int] = []  # the registered images' first ids, sorted
         self._by_first: dict[int, Image] = {}
         self.max_images = max_images
+        self._log: Any = None  # the record `keep_in` opened
+        self._reserved = IMAGE_END  # without a record, every id may be handed out
+
+    def keep_in(self, path: Path) -> None:
+        """Record the ids handed out in the file `path` (read first, where it exists): a
+        block is recorded before any of its ids is used, so after a crash no id is
+        handed out again, and each image's ids, so its pixels get them again."""
+        lines = path.read_text().splitlines() if path.exists() else []
+        recalled: list[tuple[bytes, int, int]] = []
+        with self._lock:
+            for line in lines:
+                kind, *fields = line.split()
+                try:
+                    if kind == "reserve":
+                        self._next = max(self._next, int(fields[0]))
+                    elif kind == "image":
+                        recalled.append((bytes.fromhex(fields[0]), int(fields[1]), int(fields[2])))
+                except (ValueError, IndexError):
+                    continue  # a line cut by a crash: its block was recorded before it
+            for digest, first, count in recalled[-self.max_images :]:
+                if IMAGE_BASE <= first and first + count <= self._next:
+                    self._remember(Image(digest, None, first, count))
+            self._log = open(path, "a")  # noqa: SIM115 (held until the process ends)
+            self._reserved = self._next
+
+    def _remember(self, image: Image) -> None:
+        known = self._by_digest.pop(image.digest, None)
+        if known is not None:
+            self._forget(known)
+        self._by_digest[image.digest] = image
+        insort(self._firsts, image.first)
+        self._by_first[image.first] = image
+        while len(self._by_digest) > self.max_images:  # its ids stay retired
+            self._forget(self._by_digest.popitem(last=False)[1])
+
+    def _forget(self, image: Image) -> None:
+        del self._by_first[image.first]
+        del self._firsts[bisect_left(self._firsts, image.first)]
+
+    def _record(self, line: str, durable: bool = False) -> None:
+        if self._log is None:
+            return
+        self._log.write(line + "\n")
+        self._log.flush()
+        if durable:
+            os.fsync(self._log.fileno())
 
     def register(self, pixels: np.ndarray, count: int) -> Image:
         """The image of these pixels, with `count` positions: the same ids as before for
@@ -64,17 +117,17 @@ class ImageIds:
             known = self._by_digest.get(digest)
             if known is not None and known.count == count:
                 self._by_digest.move_to_end(digest)
+                known.pixels = pixels if known.pixels is None else known.pixels
                 return known
             if self._next + count > IMAGE_END:
                 raise ValueError("this server has handed out every image id it has")
+            if self._next + count > self._reserved:
+                self._reserved = min(self._next + count + RESERVE, IMAGE_END)
+                self._record(f"reserve {self._reserved}", durable=True)
             image = Image(digest, pixels, self._next, count)
             self._next += count
-            self._by_digest[digest] = image
-            self._firsts.append(image.first)
-            self._by_first[image.first] = image
-            while len(self._by_digest) > self.max_images:  # its ids stay retired
-                _, old = self._by_digest.popitem(last=False)
-                del self._by_first[old.first]
+            self._remember(image)
+            self._record(f"image {digest.hex()} {image.first} {count}")
             return image
 
     def of(self, token: int) -> Image | None:
@@ -84,7 +137,7 @@ class ImageIds:
             image = self._by_first.get(self._firsts[i]) if i >= 0 else None
         if image is None or not image.first <= token < image.first + image.count:
             return None
-        return image
+        return image if image.pixels is not None else None
 
     def __len__(self) -> int:
         return len(self._by_digest)

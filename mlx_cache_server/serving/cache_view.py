@@ -15,6 +15,7 @@ from typing import Any
 
 from mlx_cache_server.prompt_cache.outline import Branch
 
+from ..models.vision import IMAGE_BASE
 from .metrics import Metrics
 
 WINDOW = 300.0  # seconds the hit rate is taken over
@@ -53,9 +54,9 @@ def cache_view(engine: Any, model: str, max_nodes: int = MAX_NODES) -> dict[str,
 def _branch(b: Branch, tokenizer: Any) -> dict[str, Any]:
     return {
         # Its start and end: where a shared prefix begins and where conversations part.
-        "text": tokenizer.decode(b.tokens)
+        "text": shown(b.tokens, tokenizer)
         + ("…" if b.size > len(b.tokens) + len(b.tail) else "")
-        + tokenizer.decode(b.tail),
+        + shown(b.tail, tokenizer),
         "tokens": b.size,
         "depth": b.depth,
         "bytes": b.bytes,
@@ -66,6 +67,19 @@ def _branch(b: Branch, tokenizer: Any) -> dict[str, Any]:
         "hidden": b.hidden,
         "children": [_branch(c, tokenizer) for c in b.children],
     }
+
+
+def shown(tokens: list[int], tokenizer: Any) -> str:
+    """`tokens` as text, each run of an image's ids (`models.vision`) as one marker."""
+    out, run = [], []
+    for i, t in enumerate(tokens):
+        if t >= IMAGE_BASE and (i == 0 or tokens[i - 1] != t - 1):
+            out.append(tokenizer.decode(run))
+            out.append("[image]")
+            run = []
+        elif t < IMAGE_BASE:
+            run.append(t)
+    return "".join(out) + tokenizer.decode(run)
 
 
 def activity(metrics: Metrics, now: float | None = None) -> dict[str, Any]:

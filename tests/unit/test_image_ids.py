@@ -46,3 +46,32 @@ def test_the_ids_run_out_rather_than_wrap():
     ids = ImageIds()
     with pytest.raises(ValueError, match="every image id"):
         ids.register(pixels(0), 1 << 31)
+
+
+def test_a_recorded_server_gives_the_same_pixels_the_same_ids_after_a_restart(tmp_path):
+    record = tmp_path / "image-ids"
+    before = ImageIds()
+    before.keep_in(record)
+    a = before.register(pixels(0), 4)
+    b = before.register(pixels(1), 4)
+    after = ImageIds()
+    after.keep_in(record)
+    assert after.of(a.first) is None  # recalled, but its pixels are not here to encode
+    assert after.register(pixels(0), 4).first == a.first
+    assert after.register(pixels(1), 4).first == b.first
+    assert after.register(pixels(2), 4).first >= b.first + 4  # never one handed out before
+
+
+def test_after_a_crash_no_id_is_handed_out_again(tmp_path):
+    """Images registered after the record's last image line (lost in a crash) had their
+    ids reserved first, so a restarted server starts past them."""
+    record = tmp_path / "image-ids"
+    before = ImageIds()
+    before.keep_in(record)
+    used = [before.register(pixels(i), 4) for i in range(3)]
+    lines = record.read_text().splitlines()
+    record.write_text("\n".join(x for x in lines if x.startswith("reserve")) + "\nimage 12")
+    after = ImageIds()
+    after.keep_in(record)
+    fresh = after.register(pixels(9), 4)
+    assert fresh.first >= used[-1].first + 4
