@@ -97,7 +97,12 @@ def shaped(path: str, status: int, body: dict) -> dict:
         kind = _ANTHROPIC_TYPES.get(
             status, "invalid_request_error" if status < 500 else "api_error"
         )
-        return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
+        # Anthropic's shape has no `param`: its own messages start with the field instead.
+        error = body["error"]
+        message = (
+            f"{error['param']}: {error['message']}" if error.get("param") else error["message"]
+        )
+        return {"type": "error", "error": {"type": kind, "message": message}}
     return body
 
 

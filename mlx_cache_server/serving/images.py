@@ -89,3 +89,15 @@ def counted(images: list[Image.Image]) -> list[Image.Image]:
             param="messages",
         )  # fmt: skip
     return images
+
+
+def checked_data_url(media_type: Any, data: Any, param: str) -> str:
+    """The data URL of base64 image `data` of `media_type`, its image checked here (so a bad
+    one's 400 names the client's own field)."""
+    if media_type not in ("image/jpeg", "image/png", "image/gif", "image/webp"):
+        raise APIError(
+            400, "An image's media_type must be image/jpeg, image/png, image/gif or image/webp.",
+            param=param.rsplit(".", 1)[0] + ".media_type",
+        )  # fmt: skip
+    from_base64(data, param)
+    return f"data:{media_type};base64,{data}"

@@ -27,6 +27,7 @@ from typing import Any
 
 from llguidance import StructTag
 
+from .content import concat
 from .structured import COMPACT, checked, tool_call_schema
 
 START, END = "<tool_call>", "</tool_call>"
@@ -83,18 +84,18 @@ def history(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list
             calls = markup(message.pop("tool_calls"))
             text = message.get("content") or ""
             message["content"] = f"{text}\n{calls}" if text else calls
-        elif message.get("role") == "tool":
-            message = {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}"
-                                                  "\n</tool_response>"}  # fmt: skip
+        elif message.get("role") == "tool":  # its content may hold images: `concat`
+            result = concat("<tool_response>\n", message.get("content") or "", "\n</tool_response>")
+            message = {"role": "user", "content": result}
         last = out[-1] if out else None
         if last is not None and last["role"] == "user" == message["role"]:
-            last["content"] = f"{last['content']}\n{message['content']}"
+            last["content"] = concat(last["content"], "\n", message["content"])
             continue
         out.append(message)
     if tools:
         section = tools_section(tools)
         if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": f"{section}\n\n{out[0]['content']}"}
+            out[0] = {**out[0], "content": concat(section, "\n\n", out[0]["content"])}
         else:
             out.insert(0, {"role": "system", "content": section})
     return out

@@ -79,7 +79,7 @@ class ResponsesServing:
         whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
         # Custom tools' grammars are read and checked in the translation: grammar work.
         translate = compiling if _grammars_in(offered_tools(whole)) else off_loop
-        chat, offered = await translate(to_chat, whole)
+        chat, offered = await translate(to_chat, whole, self.chat.engine.vision is not None)
         run = await self.chat.start(chat, tenant, route=ROUTE)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
         if stores:

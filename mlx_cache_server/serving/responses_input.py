@@ -24,6 +24,8 @@ from pydantic import Field
 from ..engine.constraint import on_deep_stack
 from .api_errors import APIError
 from .chat import chat_request
+from .content import Piece, appended, image_part, joined
+from .images import from_data_url
 from .lark_regex import NotRegular, lark_to_regex
 from .openai_bodies import ChatCompletionRequest, TextRequest
 from .schema_costs import pattern_problem
@@ -92,9 +94,12 @@ class ResponsesRequest(TextRequest):
     parallel_tool_calls: bool | None = None
 
 
-def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Offered]]:
+def to_chat(
+    req: ResponsesRequest, images: bool = False
+) -> tuple[ChatCompletionRequest, dict[str, Offered]]:
     """The same request in chat completions' terms, and the tools offered by the names the
-    model calls them by; or a 400 naming what cannot be."""
+    model calls them by; or a 400 naming what cannot be. With `images` (a vision model),
+    `input_image` parts of messages and of tool outputs are images."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -108,9 +113,9 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"Unknown role {role!r}.", param=f"{where}.role")
             role = "system" if role == "developer" else role
-            text = _text(item.get("content"), where)
+            text = _content(item.get("content"), where, images and role == "user")
             if last is not None and last["role"] == role and role in ("system", "user"):
-                last["content"] = f"{last['content']}\n\n{text}"
+                last["content"] = appended(last["content"], text, "\n\n")
             else:
                 messages.append({"role": role, "content": text})
         elif kind in ("function_call", "custom_tool_call"):
@@ -133,7 +138,9 @@ def to_chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, Off
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output", "")
-            content = output if isinstance(output, str) else _text(output, f"{where}.output")
+            content = (
+                output if isinstance(output, str) else _content(output, f"{where}.output", images)
+            )
             call_id = _named(item, "call_id", where)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
@@ -298,16 +305,25 @@ def _named(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str, images: bool) -> str | list[dict[str, Any]]:
+    """A message's or tool output's content: its text, or with `images` chat's parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, "Expected a string or a list of text parts.", param=where)
-    texts = []
+    texts: list[Piece] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise APIError(400, "An input_image needs its image_url (a base64 data URL); "
+                               "this server reads no file_id.", param=f"{where}[{j}]")  # fmt: skip
+            from_data_url(url, f"{where}[{j}].image_url")  # checked here: the 400 names it
+            texts.append(image_part(url))
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
             raise APIError(
                 400, f"This model reads text only: an {kind} part cannot be given to it. Send "
@@ -320,7 +336,7 @@ def _text(content: Any, where: str) -> str:
         ):
             raise APIError(400, f"Unsupported content part {kind!r}.", param=f"{where}[{j}]")
         texts.append(part[key])
-    return "".join(texts)
+    return joined(texts, "")
 
 
 def _tool_choice(

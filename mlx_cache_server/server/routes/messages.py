@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ...serving.anthropic import CountTokensRequest, MessagesRequest
+from ...serving.anthropic_input import CountTokensRequest, MessagesRequest
 from ..auth import Tenant
 from ..state import ServerState, State
 from ..while_loading import ANTHROPIC, respond
