@@ -27,6 +27,9 @@ log = logging.getLogger("mlx_cache_server")
 # `get_input_embeddings` and then read by a language model with plain positions.
 FAMILIES = {"gemma3"}
 FEATURE_BYTES = 256 * 1024**2  # recent images' features kept (beside the KV cache)
+# Written before each image's part in the messages rendered (`serving.template`), so that
+# the image's own marker is told from the same text elsewhere: a private-use character.
+IMAGE = "\U000f0000"
 
 
 @dataclass
@@ -35,20 +38,36 @@ class Vision:
     token, the ids handed to images and their features."""
 
     processor: Any
-    marker: str  # what the chat template writes for an image, which the processor expands
+    marker: str  # what the chat template writes for an image
+    expansion: str  # what the processor puts in its place: the image's positions and frame
     image_token: int
     ids: ImageIds
     features: Features
 
     def tokens(self, text: str, images: list[Any]) -> list[int]:
-        """The prompt's tokens for `text` (the chat template's output, one image marker per
-        image) with `images` (PIL images): each image's positions its own ids."""
-        out = self.processor(text=[text], images=images, return_tensors="np")
-        tokens = [int(t) for t in np.asarray(out["input_ids"])[0]]
-        pixels = np.asarray(out["pixel_values"])
+        """The prompt's tokens for `text` (the chat template's output, `IMAGE` before each
+        image's marker) with `images` (PIL images): each image's positions its own ids.
+
+        Only the markers the template wrote for images are expanded: the marker's text
+        elsewhere (a reply that generated the token, a user who typed it) stays the one
+        token it is in a prompt without images. The text is tokenized whole, as a prompt
+        without images is, so both agree wherever no image is."""
+        pieces = text.split(IMAGE)
+        if len(pieces) != len(images) + 1:
+            raise ValueError("the text holds a character this server uses to mark images")
+        out = [pieces[0]]
+        for piece in pieces[1:]:
+            at = piece.find(self.marker)
+            if at < 0:
+                raise ValueError("the chat template wrote no image marker for an image")
+            out.append(piece[:at] + self.expansion + piece[at + len(self.marker) :])
+        tokens = self.processor.tokenizer.encode("".join(out), add_special_tokens=False)
         runs = _runs(tokens, self.image_token)
-        if len(runs) != len(images) or pixels.shape[0] != len(images):
-            raise ValueError(f"the template placed {len(runs)} images for the {len(images)} given")
+        if len(runs) != len(images):
+            raise ValueError("the text holds the model's own image placeholder token")
+        pixels = np.asarray(
+            self.processor.image_processor(images, return_tensors="np")["pixel_values"]
+        )
         for i, (start, end) in enumerate(runs):
             image = self.ids.register(pixels[i : i + 1], end - start)
             tokens[start:end] = range(image.first, image.first + image.count)
@@ -91,8 +110,8 @@ def open_vision(folder: Path, model: nn.Module) -> tuple[Vision | None, str]:
 
     ids = ImageIds()
     owner.embed_tokens = ImageEmbedding(text, ids, Features(encode, FEATURE_BYTES))
-    marker = getattr(processor, "boi_token", None) or processor.image_token
-    return Vision(processor, marker, image_token, ids, owner.embed_tokens.features), ""
+    marker, expansion = processor.boi_token, processor.full_image_sequence  # Gemma 3's
+    return Vision(processor, marker, expansion, image_token, ids, owner.embed_tokens.features), ""
 
 
 def _embedding(model: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -25,6 +25,7 @@ from jinja2.exceptions import TemplateError
 from mlx_cache_server.prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
+from ..models.vision_load import IMAGE
 from . import attribution, call_history, call_markup, harmony, prompted_tools
 from .api_errors import APIError
 from .images import counted, from_data_url
@@ -49,7 +50,7 @@ def template_message(
                 url = (part.model_extra or {}).get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 images.append(from_data_url(url, f"{param}.image_url.url"))
-                parts.append({"type": "image"})
+                parts += [{"type": "text", "text": IMAGE}, {"type": "image"}]  # `Vision.tokens`
                 continue
             if part.type != "text" or part.text is None:
                 message = f"Only text content parts are supported; got a '{part.type}' part."
@@ -132,7 +133,7 @@ def image_tokens(engine: Engine, images: list[Any]) -> Callable[[str], list[int]
 
     def tokenize(text: str) -> list[int]:
         try:
-            return engine.vision.tokens(text, images[: text.count(engine.vision.marker)])
+            return engine.vision.tokens(text, images[: text.count(IMAGE)])
         except ValueError as e:
             raise APIError(400, f"The images cannot be placed: {e}", param="messages") from e
 

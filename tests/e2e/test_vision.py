@@ -122,6 +122,22 @@ def test_greedy_output_with_the_cache_equals_without(cached, uncached, content):
     assert turns[-1][1].prompt_tokens_details.cached_tokens > 0
 
 
+def test_the_image_marker_as_text_is_not_an_image(cached, uncached):
+    """A reply can generate the image marker's token, and a user can type it: sent back as
+    text it stays the one token, while the image beside it is still placed (found by the
+    browser test, where the 400 said 2 markers for 1 image)."""
+    messages = [
+        {"role": "user", "content": [image(png(14)), text("Describe <start_of_image> this.")]},
+        {"role": "assistant", "content": "It is <start_of_image> noise."},
+        {"role": "user", "content": "Again."},
+    ]
+    assert ask(cached, messages)[0] == ask(uncached, messages)[0]
+    marked = [{"role": "user", "content": "Describe <start_of_image> this."}]
+    plain = [{"role": "user", "content": "Describe X this."}]
+    # The marker's text is its one token, not an image's positions.
+    assert ask(cached, marked)[1].prompt_tokens == ask(cached, plain)[1].prompt_tokens
+
+
 def test_text_alone_is_served_as_before(cached, uncached):
     messages = [{"role": "user", "content": "Hello there."}]
     assert ask(cached, messages)[0] == ask(uncached, messages)[0]

@@ -9,10 +9,41 @@ const $ = (id) => document.getElementById(id);
 let conversations = JSON.parse(localStorage.getItem(STORE) || "[]");
 let current = localStorage.getItem(CURRENT);
 let running = null; // the AbortController of the reply being streamed
+let pending = []; // data URLs of the images attached to the next message
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(conversations));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(conversations));
+  } catch (e) { // images fill the browser's storage quickly: the page still works without it
+    $("error").textContent = "This conversation is too large to keep in the browser: " + e.message;
+  }
   localStorage.setItem(CURRENT, current || "");
+}
+
+function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    const reader = new FileReader();
+    reader.onload = () => { pending.push(reader.result); drawAttachments(); };
+    reader.readAsDataURL(file);
+  }
+}
+
+function drawAttachments() {
+  const box = $("attachments");
+  box.replaceChildren();
+  pending.forEach((url, i) => {
+    const remove = el("button", { type: "button", class: "small", title: "Remove",
+      onclick: () => { pending.splice(i, 1); drawAttachments(); } }, "✕");
+    box.append(el("span", { class: "attachment" }, el("img", { class: "thumb", src: url, alt: "attached image" }), remove));
+  });
+}
+
+// A user turn as the API takes it: its text, or its images then its text.
+function apiContent(m) {
+  if (!m.images || !m.images.length) return m.content;
+  const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return m.content ? [...parts, { type: "text", text: m.content }] : parts;
 }
 
 function conversation() {
@@ -58,6 +89,7 @@ function drawMessage(c, m, index) {
     body.append(el("details", { class: "reasoning" }, el("summary", {}, "Reasoning"),
       el("div", {}, renderMarkdown(m.reasoning))));
   }
+  for (const url of m.images || []) body.append(el("img", { class: "thumb", src: url, alt: "image" }));
   body.append(m.role === "user" ? el("p", { class: "plain" }, m.content) : renderMarkdown(m.content || ""));
   for (const call of m.tool_calls || []) {
     body.append(el("div", { class: "tool-call" }, el("strong", {}, "Tool call: " + call.name),
@@ -87,6 +119,8 @@ function draw() {
 function edit(c, index) {
   if (running) return;
   $("input").value = c.messages[index].content;
+  pending = [...(c.messages[index].images || [])];
+  drawAttachments();
   c.messages = c.messages.slice(0, index); // resending replaces this turn and what followed
   save(); draw();
   $("input").focus();
@@ -102,8 +136,12 @@ function regenerate(c) {
 async function send(text) {
   const c = conversation();
   c.system = $("system").value;
-  if (!c.messages.length) c.title = text.slice(0, 40);
-  c.messages.push({ role: "user", content: text });
+  if (!c.messages.length) c.title = text.slice(0, 40) || "Image";
+  const m = { role: "user", content: text };
+  if (pending.length) m.images = pending;
+  pending = [];
+  drawAttachments();
+  c.messages.push(m);
   save(); draw();
   await reply(c);
 }
@@ -114,7 +152,7 @@ async function reply(c) {
   for (const m of c.messages) {
     // A reply that failed or was empty is not the model's turn to send back.
     if (m.role === "assistant" && (m.error || !m.content)) continue;
-    messages.push({ role: m.role, content: m.content });
+    messages.push({ role: m.role, content: m.role === "user" ? apiContent(m) : m.content });
   }
   const m = { role: "assistant", content: "", reasoning: "", tool_calls: [] };
   c.messages.push(m);
@@ -209,10 +247,15 @@ document.addEventListener("DOMContentLoaded", () => {
   $("composer").addEventListener("submit", (ev) => {
     ev.preventDefault();
     const text = $("input").value.trim();
-    if (!text || running) return;
+    if ((!text && !pending.length) || running) return;
     $("input").value = "";
     send(text);
   });
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", (ev) => { attach(ev.target.files); ev.target.value = ""; });
+  $("input").addEventListener("paste", (ev) => attach([...ev.clipboardData.files]));
+  $("composer").addEventListener("dragover", (ev) => ev.preventDefault());
+  $("composer").addEventListener("drop", (ev) => { ev.preventDefault(); attach([...ev.dataTransfer.files]); });
   $("input").addEventListener("keydown", (ev) => {
     if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("composer").requestSubmit(); }
   });
