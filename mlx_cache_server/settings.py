@@ -163,6 +163,13 @@ class Settings(BaseModel):
         "serve the chat page at / and the cache page at /ui/cache"))
     max_body_bytes: Annotated[Size, Flag()] = Field(8 * 1024**2, description=(
         "the largest request body"))
+    # Images (a vision model's; docs/vision.md)
+    max_images: Count = Field(16, description="most images in one request")
+    max_image_pixels: Count = Field(40_000_000, description=(
+        "most pixels (width x height) of one image, read from its header before decoding"))
+    fetch_image_urls: Annotated[Switch, Flag()] = Field(False, description=(
+        "fetch images that requests name by http(s) URL (off: data URLs only; a fetch is a "
+        "request the server makes to wherever a client names)"))
     max_messages: Annotated[Count, Flag()] = Field(1024, description=(
         "most messages in one chat request"))
     max_queue: Annotated[Count, Flag()] = Field(256, description=(

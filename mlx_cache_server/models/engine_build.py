@@ -24,7 +24,7 @@ from .fingerprint import kv_fingerprint
 from .folders import generation_config, model_folder
 from .sharding import load_shard
 from .specs import model_id as model_id_of
-from .vision_load import open_vision
+from .vision_load import ImageLimits, open_vision
 
 log = logging.getLogger("mlx_cache_server")
 CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "context_length")  # configs name it so
@@ -52,7 +52,10 @@ def build_engine(
     folder = model_folder(model_path)
     vision, no_images = None, "it is not a vision model"
     if folder is not None and group is None:  # after the fast path: it wraps its embedding
-        vision, no_images = open_vision(folder, model)
+        limits = ImageLimits(
+            settings.max_image_pixels, settings.max_images, settings.fetch_image_urls
+        )
+        vision, no_images = open_vision(folder, model, limits)
     model_config = generation_config(folder) if folder is not None else {}
     context = settings.context_length or context_length_of(model)
     model_id = settings.served_model_name or model_id_of(model_path)

@@ -32,6 +32,16 @@ FEATURE_BYTES = 256 * 1024**2  # recent images' features kept (beside the KV cac
 IMAGE = "\U000f0000"
 
 
+@dataclass(frozen=True)
+class ImageLimits:
+    """What a request's images may be: the operator's settings (`max_image_pixels`,
+    `max_images`, `fetch_image_urls`)."""
+
+    max_pixels: int = 40_000_000  # width x height, read from the header before decoding
+    max_images: int = 16
+    fetch_urls: bool = False  # http(s) image URLs fetched by the server
+
+
 @dataclass
 class Vision:
     """What a served vision model needs to take images: its processor, its placeholder
@@ -43,6 +53,7 @@ class Vision:
     image_token: int
     ids: ImageIds
     features: Features
+    limits: ImageLimits
 
     def tokens(self, text: str, images: list[Any]) -> list[int]:
         """The prompt's tokens for `text` (the chat template's output, `IMAGE` before each
@@ -83,7 +94,9 @@ def vision_family(folder: Path) -> str | None:
     return config.get("model_type") if "vision_config" in config else None
 
 
-def open_vision(folder: Path, model: nn.Module) -> tuple[Vision | None, str]:
+def open_vision(
+    folder: Path, model: nn.Module, limits: ImageLimits | None = None
+) -> tuple[Vision | None, str]:
     """The checkpoint in `folder` opened for images, `model` (mlx-lm's load of its language
     model) given `ImageEmbedding`; (None, why) where it cannot take them."""
     family = vision_family(folder)
@@ -111,7 +124,11 @@ def open_vision(folder: Path, model: nn.Module) -> tuple[Vision | None, str]:
     ids = ImageIds()
     owner.embed_tokens = ImageEmbedding(text, ids, Features(encode, FEATURE_BYTES))
     marker, expansion = processor.boi_token, processor.full_image_sequence  # Gemma 3's
-    return Vision(processor, marker, expansion, image_token, ids, owner.embed_tokens.features), ""
+    features = owner.embed_tokens.features
+    vision = Vision(
+        processor, marker, expansion, image_token, ids, features, limits or ImageLimits()
+    )
+    return vision, ""
 
 
 def _embedding(model: nn.Module) -> tuple[nn.Module, nn.Module]:

@@ -29,6 +29,7 @@ from .generation import (
     until_disconnected,
     with_pauses,
 )
+from .images import reader_for
 from .limits import check_model
 from .openai_bodies import ToolCallDelta
 from .sse import EventStream
@@ -49,7 +50,7 @@ class MessagesServing:
         return self.chat.engine.model_id if name.startswith("claude") else name
 
     async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:
-        chat = await off_loop(to_chat, req, self.chat.engine.vision is not None)
+        chat = await off_loop(to_chat, req, reader_for(self.chat.engine.vision))
         chat.model = self.served_as(req.model)
         run = await self.chat.start(chat, tenant, route=ROUTE)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
@@ -84,7 +85,7 @@ class MessagesServing:
         }
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
-        chat = await off_loop(to_chat, req, self.chat.engine.vision is not None)
+        chat = await off_loop(to_chat, req, reader_for(self.chat.engine.vision))
         chat.model = self.served_as(req.model)
         engine = self.chat.engine
         check_model(chat.model, engine, self.chat.aliases)

@@ -12,7 +12,7 @@ from pydantic import Field
 from .api_errors import APIError
 from .chat import chat_request
 from .content import Piece, appended, image_part, joined
-from .images import checked_data_url
+from .images import ImageReader
 from .openai_bodies import ChatCompletionRequest, TextRequest, _Request
 
 # Anthropic's own tools, run on its servers: nothing here runs them, so none is offered.
@@ -49,10 +49,10 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int = Field(default=1, ge=1)
 
 
-def to_chat(req: MessagesRequest, images: bool = False) -> ChatCompletionRequest:
+def to_chat(req: MessagesRequest, images: ImageReader | None = None) -> ChatCompletionRequest:
     """The same request in chat completions' terms, or a 400 naming what cannot be. With
-    `images` (a vision model), a user's image blocks, and those of its tool results, are
-    images; otherwise each is a line saying one was there."""
+    `images` (a vision model's reader), a user's image blocks, and those of its tool
+    results, are images; otherwise each is a line saying one was there."""
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": _text(req.system, "system")})
@@ -62,8 +62,8 @@ def to_chat(req: MessagesRequest, images: bool = False) -> ChatCompletionRequest
         for j, block in enumerate(blocks):
             kind, where = block.get("type"), f"messages[{i}].content[{j}]"
             text = _block_text(block, where) if m.role != "assistant" or kind == "text" else None
-            if kind == "image" and images and m.role == "user":
-                texts.append(_image(block, where))
+            if kind == "image" and images is not None and m.role == "user":
+                texts.append(_image(block, where, images))
             elif text is not None:
                 texts.append(text)
             elif kind == "tool_result" and m.role == "user":
@@ -200,10 +200,10 @@ def _block_text(block: dict[str, Any], where: str) -> str | None:
 
 
 def _text(blocks: Any, param: str) -> str:
-    return "\n\n".join(_pieces(blocks, param, images=False))  # type: ignore[arg-type]
+    return "\n\n".join(_pieces(blocks, param, images=None))  # type: ignore[arg-type]
 
 
-def _pieces(blocks: Any, param: str, images: bool) -> list[Piece]:
+def _pieces(blocks: Any, param: str, images: ImageReader | None) -> list[Piece]:
     """The text of each block, or with `images` an image block's image."""
     if blocks is None:
         return []
@@ -213,8 +213,8 @@ def _pieces(blocks: Any, param: str, images: bool) -> list[Piece]:
         raise APIError(400, "Expected a string or a list of text blocks.", param=param)
     pieces: list[Piece] = []
     for j, block in enumerate(blocks):
-        if images and isinstance(block, dict) and block.get("type") == "image":
-            pieces.append(_image(block, f"{param}[{j}]"))
+        if images is not None and isinstance(block, dict) and block.get("type") == "image":
+            pieces.append(_image(block, f"{param}[{j}]", images))
             continue
         text = _block_text(block, f"{param}[{j}]") if isinstance(block, dict) else None
         if text is None:
@@ -223,16 +223,19 @@ def _pieces(blocks: Any, param: str, images: bool) -> list[Piece]:
     return pieces
 
 
-def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
-    """Chat's part for an image block sent as base64, checked here."""
+def _image(block: dict[str, Any], where: str, images: ImageReader) -> dict[str, Any]:
+    """Chat's part for an image block (base64 data, or a URL where the server fetches them),
+    checked here."""
     source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    if source.get("type") == "url":
+        return image_part(images.data_url(source.get("url"), f"{where}.source.url"))
     if source.get("type") != "base64":
         raise APIError(
             400, "An image must be sent as base64 data (source.type 'base64'); this server "
-            "fetches no URL or file.", param=f"{where}.source",
+            "reads no file.", param=f"{where}.source",
         )  # fmt: skip
-    url = checked_data_url(source.get("media_type"), source.get("data"), f"{where}.source.data")
-    return image_part(url)
+    media, data = source.get("media_type"), source.get("data")
+    return image_part(images.base64_data_url(media, data, f"{where}.source.data"))
 
 
 def _tool_choice(choice: dict[str, Any] | None) -> Any:

@@ -32,6 +32,7 @@ from .generation import (
     until_disconnected,
     with_pauses,
 )
+from .images import reader_for
 from .openai_bodies import FunctionCall, ToolCall, ToolCallDelta
 from .response_store import ResponseStore
 from .responses_input import Offered, ResponsesRequest, input_items, offered_tools, to_chat
@@ -79,7 +80,7 @@ class ResponsesServing:
         whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
         # Custom tools' grammars are read and checked in the translation: grammar work.
         translate = compiling if _grammars_in(offered_tools(whole)) else off_loop
-        chat, offered = await translate(to_chat, whole, self.chat.engine.vision is not None)
+        chat, offered = await translate(to_chat, whole, reader_for(self.chat.engine.vision))
         run = await self.chat.start(chat, tenant, route=ROUTE)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
         if stores:

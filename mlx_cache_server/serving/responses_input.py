@@ -25,7 +25,7 @@ from ..engine.constraint import on_deep_stack
 from .api_errors import APIError
 from .chat import chat_request
 from .content import Piece, appended, image_part, joined
-from .images import from_data_url
+from .images import ImageReader
 from .lark_regex import NotRegular, lark_to_regex
 from .openai_bodies import ChatCompletionRequest, TextRequest
 from .schema_costs import pattern_problem
@@ -95,7 +95,7 @@ class ResponsesRequest(TextRequest):
 
 
 def to_chat(
-    req: ResponsesRequest, images: bool = False
+    req: ResponsesRequest, images: ImageReader | None = None
 ) -> tuple[ChatCompletionRequest, dict[str, Offered]]:
     """The same request in chat completions' terms, and the tools offered by the names the
     model calls them by; or a 400 naming what cannot be. With `images` (a vision model),
@@ -113,7 +113,7 @@ def to_chat(
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"Unknown role {role!r}.", param=f"{where}.role")
             role = "system" if role == "developer" else role
-            text = _content(item.get("content"), where, images and role == "user")
+            text = _content(item.get("content"), where, images if role == "user" else None)
             if last is not None and last["role"] == role and role in ("system", "user"):
                 last["content"] = appended(last["content"], text, "\n\n")
             else:
@@ -305,7 +305,7 @@ def _named(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _content(content: Any, where: str, images: bool) -> str | list[dict[str, Any]]:
+def _content(content: Any, where: str, images: ImageReader | None) -> str | list[dict[str, Any]]:
     """A message's or tool output's content: its text, or with `images` chat's parts."""
     if content is None:
         return ""
@@ -316,13 +316,12 @@ def _content(content: Any, where: str, images: bool) -> str | list[dict[str, Any
     texts: list[Piece] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "input_image" and images:
+        if kind == "input_image" and images is not None:
             url = part.get("image_url")
             if not isinstance(url, str):
                 raise APIError(400, "An input_image needs its image_url (a base64 data URL); "
                                "this server reads no file_id.", param=f"{where}[{j}]")  # fmt: skip
-            from_data_url(url, f"{where}[{j}].image_url")  # checked here: the 400 names it
-            texts.append(image_part(url))
+            texts.append(image_part(images.data_url(url, f"{where}[{j}].image_url")))
             continue
         if kind in ("input_image", "input_file", "input_audio"):
             raise APIError(

@@ -28,7 +28,7 @@ from ..engine import Engine
 from ..models.vision_load import IMAGE
 from . import attribution, call_history, call_markup, harmony, prompted_tools
 from .api_errors import APIError
-from .images import counted, from_data_url
+from .images import ImageReader, reader_for
 from .openai_bodies import ChatCompletionRequest, ChatMessage
 from .tools import ToolPlan, template_tool_calls
 
@@ -36,20 +36,24 @@ log = logging.getLogger("mlx_cache_server")
 
 
 def template_message(
-    m: ChatMessage, index: int, images: list[Any] | None = None, no_images: str = ""
+    m: ChatMessage,
+    index: int,
+    images: list[Any] | None = None,
+    no_images: str = "",
+    reader: ImageReader | None = None,
 ) -> dict[str, Any]:
-    """A chat message as chat templates read it. With `images` (a vision model's request),
-    its image parts are decoded onto that list and stay parts of its content, where the
-    template writes each one's marker; without, an image part is a 400 saying
-    `no_images`."""
+    """A chat message as chat templates read it. With `images` and `reader` (a vision
+    model's request), its image parts are read onto that list and stay parts of its
+    content, where the template writes each one's marker; without, an image part is a 400
+    saying `no_images`."""
     if isinstance(m.content, list):
         texts, parts = [], []
         for j, part in enumerate(m.content):
             param = f"messages[{index}].content[{j}]"
-            if part.type == "image_url" and images is not None:
+            if part.type == "image_url" and images is not None and reader is not None:
                 url = (part.model_extra or {}).get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                images.append(from_data_url(url, f"{param}.image_url.url"))
+                images.append(reader.image(url, f"{param}.image_url.url"))
                 parts += [{"type": "text", "text": IMAGE}, {"type": "image"}]  # `Vision.tokens`
                 continue
             if part.type != "text" or part.text is None:
@@ -95,9 +99,10 @@ def render_marked(
     template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], tuple[int, ...]]:
     """`render`'s tokens, and for a hybrid model where its messages end among them."""
-    images: list[Any] | None = [] if engine.vision is not None else None
+    reader = reader_for(engine.vision)
+    images: list[Any] | None = [] if reader is not None else None
     messages = [
-        template_message(m, i, images, engine.no_images) for i, m in enumerate(req.messages)
+        template_message(m, i, images, engine.no_images, reader) for i, m in enumerate(req.messages)
     ]
     if strip_attribution:
         messages = attribution.strip_attribution(messages)
@@ -114,7 +119,7 @@ def render_marked(
     written = forced_prompt(engine.tokenizer, messages, kwargs, tools)
     tokenize = None
     if images:
-        tokenize = image_tokens(engine, counted(images))
+        tokenize = image_tokens(engine, reader.counted(images))
         text = engine.tokenizer.apply_chat_template(messages, **kwargs, tokenize=False)
         tokens = tokenize(written if written is not None else text + tools.prefix)
     elif written is not None:

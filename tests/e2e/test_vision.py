@@ -190,3 +190,45 @@ def test_an_image_to_a_text_model_is_a_400_saying_so(tiny_model_dir):
         with pytest.raises(openai.BadRequestError, match="does not take images") as e:
             ask(server, [{"role": "user", "content": [image(png(1)), text("Hi")]}])
     assert e.value.body["param"] == "messages[0].content[0]"
+
+
+@pytest.fixture(scope="module")
+def picture_site(tmp_path_factory):
+    """A local web server holding a PNG (the pixels of `png(31)`) at /cat.png."""
+    import http.server
+    import threading
+
+    folder = tmp_path_factory.mktemp("site")
+    (folder / "cat.png").write_bytes(base64.b64decode(png(31).split(",", 1)[1]))
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(folder), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{site.server_address[1]}"
+    site.shutdown()
+
+
+def test_the_operators_limits_and_fetching_urls(vision_dir, picture_site):
+    """`--fetch-image-urls` fetches an image a request names (the same pixels as a data URL
+    are the same image to the cache), and the image limits are the operator's."""
+    settings = {"fetch_image_urls": True, "max_images": 2, "max_image_pixels": 3000}
+    with serving(vision_dir, speculation=False, **settings) as server:
+        inline = [{"role": "user", "content": [image(png(31)), text("What is this?")]}]
+        reply, usage = ask(server, inline)
+        fetched = [{"role": "user", "content": [image(picture_site + "/cat.png"),
+                                                text("What is this?")]}]  # fmt: skip
+        again, usage_again = ask(server, fetched)
+        assert again == reply
+        assert usage_again.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 1
+        for url, why in [(picture_site + "/gone.png", "could not be fetched"),
+                         (png(32, size=(60, 60)), "at most 3000")]:  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=why):
+                ask(server, [{"role": "user", "content": [image(url)]}])
+        with pytest.raises(openai.BadRequestError, match="at most 2 images"):
+            ask(server, [{"role": "user", "content": [image(png(31))] * 3}])

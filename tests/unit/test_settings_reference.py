@@ -64,6 +64,7 @@ FLAGS = [
     (["--max-connections", "5"], "max_connections", 5),
     (["--header-timeout", "1"], "header_timeout", 1.0),
     (["--write-timeout", "1"], "write_timeout", 1.0),
+    (["--fetch-image-urls"], "fetch_image_urls", True),  # added with issue 60
 ]
 
 
