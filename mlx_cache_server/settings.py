@@ -165,7 +165,7 @@ class Settings(BaseModel):
         "the largest request body"))
     # Images (a vision model's; docs/vision.md)
     max_images: Count = Field(16, description="most images in one request")
-    max_image_pixels: Count = Field(40_000_000, description=(
+    max_image_pixels: Count = Field(4096 * 4096, description=(
         "most pixels (width x height) of one image, read from its header before decoding"))
     fetch_image_urls: Annotated[Switch, Flag()] = Field(False, description=(
         "fetch images that requests name by http(s) URL (off: data URLs only; a fetch is a "

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .sampling import NON_TEXT
+
 # Lengths of the matched suffix: looked up by its last 2, the longest wins. Followed far
 # back, so that in text that repeats itself (a list, a reply asked for again) the place
 # that lines up with the sequence wins over a later one that matches its last few tokens.
@@ -69,7 +71,8 @@ class PromptLookup:
     def extend(self, tokens: list[int]) -> None:
         """Append tokens; index the pairs that now end before the last one."""
         start = len(self.tokens)
-        self.tokens.extend(tokens)
+        # An image's positions are drafted from, and given to a draft model, as token 0.
+        self.tokens.extend(t if t < NON_TEXT else 0 for t in tokens)
         seq = self.tokens
         for end in range(max(start, MIN_N), len(seq)):  # the pair ending at `end` (exclusive)
             self.ends.setdefault((seq[end - 2], seq[end - 1]), []).append(end)

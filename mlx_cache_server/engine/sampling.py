@@ -15,6 +15,16 @@ from mlx_lm.sample_utils import (
 
 Sampler = Callable[[mx.array], mx.array]
 
+# Ids from here up stand for something other than text in a prompt (a vision model's image
+# positions: `models.vision`); anything that indexes the vocabulary by a token is given
+# token 0 in their place, since MLX checks no index and would read out of bounds.
+NON_TEXT = 1 << 30
+
+
+def text_only(tokens: mx.array) -> mx.array:
+    """`tokens` with every id of `NON_TEXT` and up as 0."""
+    return mx.where(tokens >= NON_TEXT, 0, tokens)
+
 
 def make_sampler(
     temperature: float,
@@ -65,8 +75,18 @@ def make_processors(
     presence_penalty: float,
     frequency_penalty: float,
 ) -> list:
-    return make_logits_processors(
+    processors = make_logits_processors(
         logit_bias=logit_bias or None,
         presence_penalty=presence_penalty or None,
         frequency_penalty=frequency_penalty or None,
     )
+    return [_on_text(p) for p in processors]
+
+
+def _on_text(processor: Callable) -> Callable:
+    """`processor` (a penalty counts tokens by id) given its context `text_only`."""
+
+    def call(tokens: mx.array, logits: mx.array) -> mx.array:
+        return processor(text_only(tokens), logits)
+
+    return call

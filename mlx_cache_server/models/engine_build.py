@@ -67,7 +67,8 @@ def build_engine(
         if settings.cache_dir:
             root = Path(settings.cache_dir).expanduser()
             kv = {"bits": settings.kv_bits, "group_size": settings.kv_group_size}
-            fingerprint = kv_fingerprint(folder, model_path, model, kv, served_as=model_id)
+            images = vision.encoder if vision is not None else None
+            fingerprint = kv_fingerprint(folder, model_path, model, kv, model_id, images)
             try:
                 disk = DiskTier(root, fingerprint, settings.cache_disk_bytes)
             except DiskTierBusy as e:  # two servers writing one index would corrupt it

@@ -32,10 +32,13 @@ def kv_fingerprint(
     model: Any,
     kv: dict[str, Any] | None = None,
     served_as: str | None = None,
+    images: str | None = None,
 ) -> str:
     """`kv`: how the KV is kept beyond the model's own layers (its quantization).
     `served_as`: the id the server serves it under, so that two ids on the same weights
-    (one server, each with its own template options) each have a folder of their own."""
+    (one server, each with its own template options) each have a folder of their own.
+    `images`: what encodes a vision model's images, with its version (the KV of an image
+    is that library's output: another release may encode it otherwise)."""
     h = hashlib.blake2b(digest_size=16)
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     layers = [type(c).__name__ for c in make_prompt_cache(model)]
@@ -45,6 +48,8 @@ def kv_fingerprint(
         facts["kv"] = kv
     if served_as is not None:
         facts["served_as"] = served_as
+    if images is not None:
+        facts["images"] = images
     h.update(json.dumps(facts, sort_keys=True).encode())
     if folder is None:  # nothing on disk to read: the name has to do
         h.update(model_id.encode())

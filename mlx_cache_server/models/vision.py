@@ -37,7 +37,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-IMAGE_BASE = 1 << 30  # image ids start here: above any vocabulary, within int32
+from ..engine.sampling import NON_TEXT
+
+IMAGE_BASE = NON_TEXT  # image ids start here: above any vocabulary, within int32
 IMAGE_END = 1 << 31
 RESERVE = 1 << 16  # ids recorded as handed out at a time, before any of them is used
 
@@ -47,19 +49,25 @@ class Image:
     """One image as the model takes it: its pixels and the ids of its positions."""
 
     digest: bytes
-    pixels: np.ndarray | None  # the processor's pixel values of it alone; None if recalled
+    pixels: np.ndarray | None  # its processed pixel values, kept while a request holds it
     first: int  # its first id
     count: int  # its positions
+    holds: int = 0  # requests holding it (`ImageIds.register`, `release`)
 
 
 class ImageIds:
-    """The ids of each image's positions: a block per distinct digest, never reused."""
+    """The ids of each image's positions: a block per distinct digest, never reused.
+
+    A request holds each image it registers until it ends (`release`): a held image is
+    never forgotten and keeps its pixels, so its features can be encoded whenever a pass
+    needs them. Of the images no request holds, the most recent `max_images` are
+    remembered (the same pixels get the same ids again), without their pixels."""
 
     def __init__(self, max_images: int = 256) -> None:
         self._lock = threading.Lock()
         self._next = IMAGE_BASE
         self._by_digest: OrderedDict[bytes, Image] = OrderedDict()
-        self._firsts: list[int] = []  # the registered images' first ids, sorted
+        self._firsts: list[int] = []  # the remembered images' first ids, sorted
         self._by_first: dict[int, Image] = {}
         self.max_images = max_images
         self._log: Any = None  # the record `keep_in` opened
@@ -68,7 +76,8 @@ class ImageIds:
     def keep_in(self, path: Path) -> None:
         """Record the ids handed out in the file `path` (read first, where it exists): a
         block is recorded before any of its ids is used, so after a crash no id is
-        handed out again, and each image's ids, so its pixels get them again."""
+        handed out again, and each image's ids, so its pixels get them again (an image
+        line lost in a crash loses only that reuse: it is not synced)."""
         lines = path.read_text().splitlines() if path.exists() else []
         recalled: list[tuple[bytes, int, int]] = []
         with self._lock:
@@ -87,15 +96,69 @@ class ImageIds:
             self._log = open(path, "a")  # noqa: SIM115 (held until the process ends)
             self._reserved = self._next
 
+    def register(self, pixels: np.ndarray, count: int, digest: bytes | None = None) -> Image:
+        """The image of these pixels (`digest`: theirs, if known), with `count` positions,
+        held for the caller until it calls `release`: the same ids as before for the same
+        pixels, new ones otherwise."""
+        digest = digest or pixel_digest(pixels)
+        with self._lock:
+            image = self._by_digest.get(digest)
+            if image is None or image.count != count:
+                image = self._new(digest, count)  # held from the start: never forgotten first
+            else:
+                image.holds += 1
+                self._by_digest.move_to_end(digest)
+            image.pixels = pixels if image.pixels is None else image.pixels
+            return image
+
+    def release(self, images: list[Image]) -> None:
+        """The end of a request's hold on `images` (one per `register` it made)."""
+        with self._lock:
+            for image in images:
+                image.holds -= 1
+                if image.holds == 0:
+                    image.pixels = None  # encoded again, if ever, from a new request's
+            self._forget_unheld()
+
+    def of(self, token: int) -> Image | None:
+        """The remembered image one of whose ids is `token`, else None."""
+        with self._lock:
+            i = bisect_right(self._firsts, token) - 1
+            image = self._by_first.get(self._firsts[i]) if i >= 0 else None
+        if image is None or not image.first <= token < image.first + image.count:
+            return None
+        return image
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def _new(self, digest: bytes, count: int) -> Image:
+        if self._next + count > IMAGE_END:
+            raise ValueError("this server has handed out every image id it has")
+        if self._next + count > self._reserved:
+            self._reserved = min(self._next + count + RESERVE, IMAGE_END)
+            self._record(f"reserve {self._reserved}", durable=True)
+        image = Image(digest, None, self._next, count, holds=1)
+        self._next += count
+        self._remember(image)
+        self._record(f"image {digest.hex()} {image.first} {count}")
+        return image
+
     def _remember(self, image: Image) -> None:
         known = self._by_digest.pop(image.digest, None)
-        if known is not None:
-            self._forget(known)
+        if known is not None and known.holds == 0:
+            self._forget(known)  # the same pixels with another count: its ids retire
         self._by_digest[image.digest] = image
         insort(self._firsts, image.first)
         self._by_first[image.first] = image
-        while len(self._by_digest) > self.max_images:  # its ids stay retired
-            self._forget(self._by_digest.popitem(last=False)[1])
+        self._forget_unheld()
+
+    def _forget_unheld(self) -> None:
+        """Forget the least recent images no request holds, past `max_images` (their ids
+        stay retired)."""
+        excess = len(self._by_digest) - self.max_images
+        for digest in [d for d, i in self._by_digest.items() if i.holds == 0][: max(excess, 0)]:
+            self._forget(self._by_digest.pop(digest))
 
     def _forget(self, image: Image) -> None:
         del self._by_first[image.first]
@@ -109,38 +172,28 @@ class ImageIds:
         if durable:
             os.fsync(self._log.fileno())
 
-    def register(self, pixels: np.ndarray, count: int) -> Image:
-        """The image of these pixels, with `count` positions: the same ids as before for
-        the same pixels, new ones otherwise."""
-        digest = pixel_digest(pixels)
-        with self._lock:
-            known = self._by_digest.get(digest)
-            if known is not None and known.count == count:
-                self._by_digest.move_to_end(digest)
-                known.pixels = pixels if known.pixels is None else known.pixels
-                return known
-            if self._next + count > IMAGE_END:
-                raise ValueError("this server has handed out every image id it has")
-            if self._next + count > self._reserved:
-                self._reserved = min(self._next + count + RESERVE, IMAGE_END)
-                self._record(f"reserve {self._reserved}", durable=True)
-            image = Image(digest, pixels, self._next, count)
-            self._next += count
-            self._remember(image)
-            self._record(f"image {digest.hex()} {image.first} {count}")
-            return image
 
-    def of(self, token: int) -> Image | None:
-        """The registered image one of whose ids is `token`; None if it was released."""
-        with self._lock:
-            i = bisect_right(self._firsts, token) - 1
-            image = self._by_first.get(self._firsts[i]) if i >= 0 else None
-        if image is None or not image.first <= token < image.first + image.count:
-            return None
-        return image if image.pixels is not None else None
+class Holds:
+    """The images one request holds, released together once (`ImageIds.release`); an image
+    registered after that (a rendering that outlived its request) is released at once."""
 
-    def __len__(self) -> int:
-        return len(self._by_digest)
+    def __init__(self, ids: ImageIds) -> None:
+        self._ids = ids
+        self._lock = threading.Lock()
+        self._images: list[Image] = []
+        self._released = False
+
+    def append(self, image: Image) -> None:
+        with self._lock:
+            if not self._released:
+                self._images.append(image)
+                return
+        self._ids.release([image])
+
+    def release(self) -> None:
+        with self._lock:
+            self._released, images, self._images = True, self._images, []
+        self._ids.release(images)
 
 
 def pixel_digest(pixels: np.ndarray) -> bytes:
@@ -166,6 +219,8 @@ class Features:
         if features is not None:
             self._held.move_to_end(image.digest)
             return features
+        if image.pixels is None:  # a request holds every image it prefills: a bug if so
+            raise ValueError("an image of this prompt is held by no request")
         features = self._encode(image)
         if features.shape[0] != image.count:
             raise ValueError(
@@ -193,31 +248,38 @@ class ImageEmbedding(nn.Module):
         super().__init__()
         self.text = text
         self.images, self.features = ids, features
+        self.last_text_id = int(text.weight.shape[0]) - 1
 
     def __call__(self, tokens: mx.array) -> mx.array:
         # A decode step's input is sampled tokens, never an image's: looking would wait for
-        # the step before it, which mlx-lm overlaps with this one.
+        # the step before it, which mlx-lm overlaps with this one. Clamped all the same: an
+        # id past the table would be read out of bounds (MLX checks none), not refused.
         if len(self.images) == 0 or tokens.shape[-1] == 1:
-            return self.text(tokens)
+            return self.text(mx.minimum(tokens, self.last_text_id))
         host = np.asarray(tokens)
         at = host >= IMAGE_BASE
         if not at.any():
             return self.text(tokens)
         embedded = self.text(mx.array(np.where(at, 0, host).astype(host.dtype)))
         parts, index, start = [], np.zeros(host.shape, dtype=np.int32), 0
-        last: Image | None = None
-        for token in np.unique(host[at]).tolist():  # sorted: an image's ids side by side
-            image = self.images.of(token)
-            if image is None:
-                raise ValueError("an image of this prompt is no longer registered")
-            if image is not last:
-                parts.append(self.features.of(image))
-                base, last = start - image.first, image
-                start += image.count
-            index[host == token] = base + token
+        ids, i = np.unique(host[at]), 0  # sorted: an image's ids side by side
+        while i < len(ids):
+            image = self._image(int(ids[i]))
+            end = image.first + image.count
+            mine = (host >= image.first) & (host < end)
+            index[mine] = start + host[mine] - image.first
+            parts.append(self.features.of(image))
+            start += image.count
+            i = int(np.searchsorted(ids, end))
         table = mx.concatenate(parts)
         images = table[mx.array(index)].astype(embedded.dtype)
         return mx.where(mx.array(at)[..., None], images, embedded)
+
+    def _image(self, token: int) -> Image:
+        image = self.images.of(token)
+        if image is None:  # a request holds every image it prefills: a bug if so
+            raise ValueError("an image of this prompt is no longer registered")
+        return image
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.text.as_linear(x)

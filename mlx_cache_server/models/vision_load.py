@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .vision import Features, Image, ImageEmbedding, ImageIds
+from .vision import Features, Holds, Image, ImageEmbedding, ImageIds, pixel_digest
 
 log = logging.getLogger("mlx_cache_server")
 
@@ -37,32 +38,52 @@ class ImageLimits:
     """What a request's images may be: the operator's settings (`max_image_pixels`,
     `max_images`, `fetch_image_urls`)."""
 
-    max_pixels: int = 40_000_000  # width x height, read from the header before decoding
+    max_pixels: int = 4096 * 4096  # width x height, read from the header before decoding
     max_images: int = 16
     fetch_urls: bool = False  # http(s) image URLs fetched by the server
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An image of a request as the processor prepared it, and the digest of its pixels."""
+
+    pixels: np.ndarray
+    digest: bytes
 
 
 @dataclass
 class Vision:
     """What a served vision model needs to take images: its processor, its placeholder
-    token, the ids handed to images and their features."""
+    token and the tokens framing a run of it, the ids handed to images and their
+    features, and the operator's limits."""
 
     processor: Any
     marker: str  # what the chat template writes for an image
     expansion: str  # what the processor puts in its place: the image's positions and frame
     image_token: int
+    frame: tuple[int | None, int | None]  # the tokens just before and after an image's run
     ids: ImageIds
     features: Features
     limits: ImageLimits
+    encoder: str  # the library that encodes its images, and its release
 
-    def tokens(self, text: str, images: list[Any]) -> list[int]:
+    def prepare(self, images: list[Any]) -> list[Prepared]:
+        """`images` (PIL images) through the processor, once for all the renderings of a
+        request (its prompt, and the heads `message_ends` renders)."""
+        out = self.processor.image_processor(images, return_tensors="np")["pixel_values"]
+        pixels = np.asarray(out)
+        return [Prepared(p[None], pixel_digest(p[None])) for p in pixels]
+
+    def tokens(self, text: str, images: list[Prepared], holds: Holds) -> list[int]:
         """The prompt's tokens for `text` (the chat template's output, `IMAGE` before each
-        image's marker) with `images` (PIL images): each image's positions its own ids.
+        image's marker) with `images`: each image's positions its own ids, each image
+        registered and put on `holds` (its caller releases them when the request ends).
 
-        Only the markers the template wrote for images are expanded: the marker's text
-        elsewhere (a reply that generated the token, a user who typed it) stays the one
-        token it is in a prompt without images. The text is tokenized whole, as a prompt
-        without images is, so both agree wherever no image is."""
+        Only the markers the template wrote for images are expanded, and only the runs the
+        expansion framed are images: the marker's or the placeholder's text elsewhere (a
+        reply that generated the token, a user who typed it) stays the token it is in a
+        prompt without images. The text is tokenized whole, as a prompt without images is,
+        so both agree wherever no image is."""
         pieces = text.split(IMAGE)
         if len(pieces) != len(images) + 1:
             raise ValueError("the text holds a character this server uses to mark images")
@@ -73,14 +94,12 @@ class Vision:
                 raise ValueError("the chat template wrote no image marker for an image")
             out.append(piece[:at] + self.expansion + piece[at + len(self.marker) :])
         tokens = self.processor.tokenizer.encode("".join(out), add_special_tokens=False)
-        runs = _runs(tokens, self.image_token)
+        runs = _framed_runs(tokens, self.image_token, self.frame)
         if len(runs) != len(images):
-            raise ValueError("the text holds the model's own image placeholder token")
-        pixels = np.asarray(
-            self.processor.image_processor(images, return_tensors="np")["pixel_values"]
-        )
-        for i, (start, end) in enumerate(runs):
-            image = self.ids.register(pixels[i : i + 1], end - start)
+            raise ValueError("the text holds the model's own framed image placeholders")
+        for prepared, (start, end) in zip(images, runs, strict=True):
+            image = self.ids.register(prepared.pixels, end - start, prepared.digest)
+            holds.append(image)
             tokens[start:end] = range(image.first, image.first + image.count)
         return tokens
 
@@ -124,9 +143,14 @@ def open_vision(
     ids = ImageIds()
     owner.embed_tokens = ImageEmbedding(text, ids, Features(encode, FEATURE_BYTES))
     marker, expansion = processor.boi_token, processor.full_image_sequence  # Gemma 3's
+    framed = processor.tokenizer.encode(expansion, add_special_tokens=False)
+    (start, end), *_ = _runs(framed, image_token)
+    frame = (framed[start - 1] if start else None, framed[end] if end < len(framed) else None)
     features = owner.embed_tokens.features
+    limits = limits or ImageLimits()
+    encoder = f"mlx-vlm {version('mlx-vlm')}"
     vision = Vision(
-        processor, marker, expansion, image_token, ids, features, limits or ImageLimits()
+        processor, marker, expansion, image_token, frame, ids, features, limits, encoder
     )
     return vision, ""
 
@@ -138,6 +162,19 @@ def _embedding(model: nn.Module) -> tuple[nn.Module, nn.Module]:
         if isinstance(found, nn.Module):
             return module, found
     raise ValueError("the language model has no token embedding (embed_tokens)")
+
+
+def _framed_runs(
+    tokens: list[int], token: int, frame: tuple[int | None, int | None]
+) -> list[tuple[int, int]]:
+    """The runs of `token` that `frame`'s tokens enclose (None: any)."""
+    before, after = frame
+    return [
+        (start, end)
+        for start, end in _runs(tokens, token)
+        if (before is None or (start > 0 and tokens[start - 1] == before))
+        and (after is None or (end < len(tokens) and tokens[end] == after))
+    ]
 
 
 def _runs(tokens: list[int], token: int) -> list[tuple[int, int]]:

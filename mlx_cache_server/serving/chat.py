@@ -27,6 +27,7 @@ from .generation import (
     until_disconnected,
 )
 from .harmony import HarmonySplit, is_harmony
+from .images import held_until
 from .limits import (
     check_model,
     check_prompt_chars,
@@ -120,6 +121,7 @@ class ChatCompletionsServing(Surface):
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true.", param="top_logprobs")
         slot = reserve_slot(engine, settings)
+        holds = held_until(slot.on_release, engine.vision)  # a vision model's images
         try:
             # Off the loop, within the request's slot, and on the grammar threads only
             # where there is a grammar to compile: a request without one never waits
@@ -136,7 +138,7 @@ class ChatCompletionsServing(Surface):
                 )
             tokens, marks = await off_loop(
                 render_marked, engine, req, tools, settings.strip_attribution_header,
-                settings.chat_template_kwargs,
+                settings.chat_template_kwargs, holds,
             )  # fmt: skip
             params = sampling_params(
                 req,

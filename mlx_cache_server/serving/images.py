@@ -14,19 +14,25 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from ..models.vision import Holds
 from ..models.vision_load import ImageLimits
 from .api_errors import APIError
 
 MAX_IMAGE_BYTES = 20 * 1024**2  # one image's encoded bytes
-FETCH_SECONDS = 10.0  # a fetch's connection and each of its reads (the request's budget bounds all)
+FETCH_SECONDS = 10.0  # a fetch's connection and each of its reads
+FETCH_DEADLINE = 20.0  # a fetch's whole download, however slowly it arrives
+MAX_REDIRECTS = 3
 MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP")  # what Pillow may open: not every format it knows
 
 
 class ImageReader:
@@ -34,14 +40,17 @@ class ImageReader:
 
     def __init__(self, limits: ImageLimits) -> None:
         self.limits = limits
+        self.read = 0  # images read: one reader per request, counted before each is decoded
 
     def image(self, url: Any, param: str) -> Image.Image:
         """The image a URL names (`data:` or, where allowed, `http(s)`)."""
+        self._count()
         return self._opened(self._bytes(url, param), param)
 
     def data_url(self, url: Any, param: str) -> str:
         """A data URL of the image `url` names, its image checked here (so a bad one's 400
         names the client's own field, and a fetched one is fetched once)."""
+        self._count()
         raw = self._bytes(url, param)
         image = self._opened(raw, param)
         if isinstance(url, str) and url.startswith("data:"):
@@ -56,18 +65,19 @@ class ImageReader:
                 400, "An image's media_type must be image/jpeg, image/png, image/gif or "
                 "image/webp.", param=param.rsplit(".", 1)[0] + ".media_type",
             )  # fmt: skip
+        self._count()
         self._opened(_decoded(data, param), param)
         return f"data:{media_type};base64,{data}"
 
-    def counted(self, images: list[Image.Image]) -> list[Image.Image]:
-        """`images`, or a 400 past the limit of images in a request."""
-        if len(images) > self.limits.max_images:
+    def _count(self) -> None:
+        """A 400 past the limit of images in a request, before the next one is decoded."""
+        self.read += 1
+        if self.read > self.limits.max_images:
             raise APIError(
                 400,
-                f"A request may carry at most {self.limits.max_images} images; got {len(images)}.",
+                f"A request may carry at most {self.limits.max_images} images.",
                 param="messages",
             )
-        return images
 
     def _bytes(self, url: Any, param: str) -> bytes:
         if not isinstance(url, str):
@@ -96,7 +106,7 @@ class ImageReader:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(raw))
+                image = Image.open(io.BytesIO(raw), formats=FORMATS)
                 width, height = image.size
                 if width * height > most or width < 1 or height < 1:
                     raise APIError(
@@ -131,17 +141,55 @@ def _decoded(data: Any, param: str) -> bytes:
 
 
 def _fetched(url: str, param: str) -> bytes:
-    """The bytes at `url`, at most `MAX_IMAGE_BYTES`; a 400 saying why not (the client named
-    the URL: its failure is the client's to fix)."""
+    """The bytes at `url`, at most `MAX_IMAGE_BYTES` within `FETCH_DEADLINE` seconds, over
+    http(s) only (redirects too, at most `MAX_REDIRECTS`); a 400 saying why not (the client
+    named the URL: its failure is the client's to fix)."""
+    deadline = time.monotonic() + FETCH_DEADLINE
     request = urllib.request.Request(url, headers={"User-Agent": "mlx-cache-server"})
+    chunks, size = [], 0
     try:
-        with urllib.request.urlopen(request, timeout=FETCH_SECONDS) as response:
-            raw = response.read(MAX_IMAGE_BYTES + 1)
+        with _OPENER.open(request, timeout=FETCH_SECONDS) as response:
+            while size <= MAX_IMAGE_BYTES:
+                if time.monotonic() > deadline:
+                    raise APIError(400, f"The image URL took over {FETCH_DEADLINE:g} s to fetch.",
+                                   param=param)  # fmt: skip
+                chunk = response.read(64 * 1024)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+    except APIError:
+        raise
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise APIError(400, f"The image URL could not be fetched: {e}", param=param) from None
-    if len(raw) > MAX_IMAGE_BYTES:
+    if size > MAX_IMAGE_BYTES:
         raise APIError(400, f"The image is over {MAX_IMAGE_BYTES} bytes.", param=param)
-    return raw
+    return b"".join(chunks)
+
+
+class _HttpRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects to http(s) only, and a few."""
+
+    max_redirections = MAX_REDIRECTS
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201
+        if not newurl.startswith(("http://", "https://")):
+            raise urllib.error.URLError(f"a redirect to {newurl.split(':')[0]} is not followed")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_HttpRedirects)
+
+
+def held_until(on_release: Callable[[Callable[[], None]], None], vision: Any) -> Holds | None:
+    """The holds of a request on a vision model's images (`Engine.vision`), released by
+    `on_release` (a request's slot: however the request ends); None for a model that
+    takes no images."""
+    if vision is None:
+        return None
+    holds = Holds(vision.ids)
+    on_release(holds.release)
+    return holds
 
 
 def reader_for(vision: Any) -> ImageReader | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any
 
 from pydantic import BaseModel
@@ -37,15 +37,23 @@ class Slot:
     def __init__(self, engine: Engine) -> None:
         with _COUNT:
             engine.in_flight += 1
-        self.release = weakref.finalize(self, _free_slot, engine)
+        self._after: list[Callable[[], None]] = []  # run when it is freed: `on_release`
+        self.release = weakref.finalize(self, _free_slot, engine, self._after)
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        """Run `fn` when the slot is freed, however the request ends (a vision model's
+        images are held so, `ImageIds.release`)."""
+        self._after.append(fn)
 
 
 _COUNT = threading.Lock()  # a slot dropped unused is freed by the garbage collector, any thread
 
 
-def _free_slot(engine: Engine) -> None:
+def _free_slot(engine: Engine, after: list[Callable[[], None]]) -> None:
     with _COUNT:
         engine.in_flight -= 1
+    for fn in after:
+        fn()
 
 
 def reserve_slot(engine: Engine, settings: Settings) -> Slot:
@@ -89,16 +97,19 @@ def text_chars(*values: Any, stop_after: int | None = None) -> int:
     every other scalar as its JSON, each container its brackets and separators at least,
     pydantic models by their fields' values. Walked without recursion, so any nesting is
     measured; past `stop_after` the walk ends, returning what it has counted so far. An
-    image's data URL counts as one character: it is never tokenized as text (`images`
-    bounds it)."""
+    image's data URL (a `url` holding one) counts as one character: it is never tokenized
+    as text (`images` bounds it)."""
     total, stack = 0, list(values)
     while stack:
         value = stack.pop()
         if isinstance(value, str):
-            total += 1 if value.startswith("data:image/") else len(value)
+            total += len(value)
         elif isinstance(value, dict):
             total += 2 + sum(1 + (len(k) if isinstance(k, str) else 1) for k in value)
-            stack.extend(value.values())
+            for key, item in value.items():
+                image = key == "url" and isinstance(item, str) and item.startswith("data:image/")
+                total += 1 if image else 0
+                stack.extend([] if image else [item])
         elif isinstance(value, list | tuple):
             total += 2 + len(value)
             stack.extend(value)

@@ -25,6 +25,7 @@ from jinja2.exceptions import TemplateError
 from mlx_cache_server.prompt_cache.radix import common_prefix_length
 
 from ..engine import Engine
+from ..models.vision import Holds
 from ..models.vision_load import IMAGE
 from . import attribution, call_history, call_markup, harmony, prompted_tools
 from .api_errors import APIError
@@ -97,8 +98,18 @@ def render_marked(
     tools: ToolPlan,
     strip_attribution: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    holds: Holds | None = None,
 ) -> tuple[list[int], tuple[int, ...]]:
-    """`render`'s tokens, and for a hybrid model where its messages end among them."""
+    """`render`'s tokens, and for a hybrid model where its messages end among them. The
+    images a vision model's prompt registers go on `holds`, which the caller releases when
+    the request ends (`ImageIds.release`); without `holds`, they are released here (a
+    prompt only counted, never prefilled)."""
+    if holds is None and engine.vision is not None:
+        held = Holds(engine.vision.ids)
+        try:
+            return render_marked(engine, req, tools, strip_attribution, template_kwargs, held)
+        finally:
+            held.release()
     reader = reader_for(engine.vision)
     images: list[Any] | None = [] if reader is not None else None
     messages = [
@@ -119,7 +130,7 @@ def render_marked(
     written = forced_prompt(engine.tokenizer, messages, kwargs, tools)
     tokenize = None
     if images:
-        tokenize = image_tokens(engine, reader.counted(images))
+        tokenize = image_tokens(engine, images, holds)
         text = engine.tokenizer.apply_chat_template(messages, **kwargs, tokenize=False)
         tokens = tokenize(written if written is not None else text + tools.prefix)
     elif written is not None:
@@ -132,13 +143,15 @@ def render_marked(
     return tokens, marks
 
 
-def image_tokens(engine: Engine, images: list[Any]) -> Callable[[str], list[int]]:
+def image_tokens(engine: Engine, images: list[Any], holds: Holds) -> Callable[[str], list[int]]:
     """Rendered text to tokens for a vision model: each of the first of `images` that the
-    text has markers for at its marker, as its ids (`models.vision`)."""
+    text has markers for at its marker, as its ids (`models.vision`), registered on
+    `holds`. The images are prepared once for every text tokenized."""
+    prepared = engine.vision.prepare(images)
 
     def tokenize(text: str) -> list[int]:
         try:
-            return engine.vision.tokens(text, images[: text.count(IMAGE)])
+            return engine.vision.tokens(text, prepared[: text.count(IMAGE)], holds)
         except ValueError as e:
             raise APIError(400, f"The images cannot be placed: {e}", param="messages") from e
 

@@ -232,3 +232,62 @@ def test_the_operators_limits_and_fetching_urls(vision_dir, picture_site):
                 ask(server, [{"role": "user", "content": [image(url)]}])
         with pytest.raises(openai.BadRequestError, match="at most 2 images"):
             ask(server, [{"role": "user", "content": [image(png(31))] * 3}])
+
+
+def test_penalties_with_an_image_last_count_text_only(cached, uncached):
+    """A penalty counts the prompt's tokens by id: an image's ids (past the vocabulary) are
+    not text to it (they crashed the server when indexed)."""
+    messages = [{"role": "user", "content": [text("Look:"), image(png(41))]}]
+
+    def penalized(server):
+        r = client(server).chat.completions.create(
+            model="m", messages=messages, max_tokens=8, temperature=0,
+            presence_penalty=1.0, frequency_penalty=0.5,
+        )  # fmt: skip
+        return r.choices[0].message.content
+
+    assert penalized(cached) == penalized(uncached)
+
+
+def test_a_request_holds_its_images_past_what_the_server_remembers(cached, uncached):
+    """More images in flight than the server remembers: each stays until its request ends."""
+    remembered = cached.engine.vision.ids.max_images
+    cached.engine.vision.ids.max_images = 1
+    try:
+        content = [image(png(42)), image(png(43)), image(png(44)), text("Compare them.")]
+        messages = [{"role": "user", "content": content}]
+        assert ask(cached, messages)[0] == ask(uncached, messages)[0]
+    finally:
+        cached.engine.vision.ids.max_images = remembered
+
+
+def test_the_placeholder_token_as_text_is_not_an_image(cached, uncached):
+    messages = [
+        {"role": "user", "content": [image(png(45)), text("What is <image_soft_token>?")]},
+        {"role": "assistant", "content": "A <image_soft_token> token."},
+        {"role": "user", "content": "Again."},
+    ]
+    assert ask(cached, messages)[0] == ask(uncached, messages)[0]
+
+
+def test_an_image_in_a_format_not_taken_is_a_400(cached):
+    out = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8, 3), dtype="uint8")).save(out, format="BMP")
+    url = "data:image/bmp;base64," + base64.b64encode(out.getvalue()).decode()
+    with pytest.raises(openai.BadRequestError, match="not an image this server can read"):
+        ask(cached, [{"role": "user", "content": [image(url)]}])
+
+
+def test_text_that_looks_like_a_data_url_is_counted_as_text(cached):
+    huge = "data:image/png;base64," + "A" * 500_000
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        ask(cached, [{"role": "user", "content": [text(huge)]}])
+
+
+def test_drafts_over_an_image_prompt_reply_as_without(vision_dir, uncached, tmp_path):
+    """Prompt lookup and a draft model see an image's positions as token 0 (a draft model's
+    embedding would read out of bounds on their ids)."""
+    draft = build_gemma3_vision(tmp_path / "draft", seed=1, sliding_window_pattern=1)
+    messages = [{"role": "user", "content": [image(png(46)), text("Say it twice. " * 3)]}]
+    with serving(vision_dir, draft_model=str(draft)) as drafting:
+        assert ask(drafting, messages, 24)[0] == ask(uncached, messages, 24)[0]

@@ -199,3 +199,14 @@ def test_recent_replies_are_kept_per_key_within_a_budget():
     assert replies.tokens == ANCHOR + 40
     replies.clear()
     assert replies.latest("a") == [] and replies.tokens == 0
+
+
+def test_an_images_positions_are_token_0_to_drafting():
+    """A vision model's image ids (past the vocabulary) are never drafted nor handed to a
+    draft model, whose embedding would read them out of bounds."""
+    from mlx_cache_server.engine.sampling import NON_TEXT
+
+    lookup = PromptLookup()
+    lookup.extend([5, 6, NON_TEXT, NON_TEXT + 1, 7, 5, 6])
+    assert lookup.tokens == [5, 6, 0, 0, 7, 5, 6]
+    assert lookup.draft(2) == [0, 0]

@@ -130,7 +130,7 @@ def fake_engine(hf) -> SimpleNamespace:
         encode=hf.encode,
         decode=hf.decode,
     )
-    return SimpleNamespace(tokenizer=wrapper, cache=None, cache_mode="")
+    return SimpleNamespace(tokenizer=wrapper, cache=None, cache_mode="", vision=None, no_images="")
 
 
 def chat(messages: list, **fields) -> ChatCompletionRequest:

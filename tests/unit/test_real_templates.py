@@ -61,7 +61,9 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: bool = True) -> str:
-    engine = SimpleNamespace(tokenizer=tokenizer, cache=None, cache_mode="")
+    engine = SimpleNamespace(
+        tokenizer=tokenizer, cache=None, cache_mode="", vision=None, no_images=""
+    )
     req = ChatCompletionRequest(model="x", messages=messages, tools=TOOLS if tools else None)
     return tokenizer.decode(render(engine, req, plan_tools(req, engine)))
 
