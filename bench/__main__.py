@@ -41,6 +41,8 @@ WORKLOADS = {
                       "Claude Code and Codex sessions through /v1/messages and /v1/responses"),
     "decode": Workload("decode.py", ("--rounds", "3"), "decode.json",
                        "decode throughput with 8 and 16 streams"),
+    "vision": Workload("vision.py", (), "vision.json",
+                       "a screenshot's conversation against mlx-vlm's server: TTFT per turn"),
     "speculation": Workload("speculation.py", (), "speculation.json",
                             "prompt-lookup drafts: edit-style turns and chat, on and off"),
     "speculation-batches": Workload("speculation.py", (

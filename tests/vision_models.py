@@ -31,8 +31,18 @@ TEMPLATE = (
 IMAGE_SIZE = 32
 
 
-def build_gemma3_vision(path: Path, seed: int = 0, sliding_window_pattern: int = 2) -> Path:
-    """Write the model folder to `path` (created) and return it."""
+def build_gemma3_vision(
+    path: Path,
+    seed: int = 0,
+    sliding_window_pattern: int = 2,
+    image_size: int = IMAGE_SIZE,
+    patch_size: int = 8,
+    positions: int = 4,
+    hidden: int = 64,
+    layers: int = 2,
+) -> Path:
+    """Write the model folder to `path` (created) and return it. The sizes default to the
+    tests' tiny model; a benchmark asks for a larger one (`positions` per image, a square)."""
     from mlx_vlm.models import gemma3
 
     path.mkdir(parents=True, exist_ok=True)
@@ -44,28 +54,28 @@ def build_gemma3_vision(path: Path, seed: int = 0, sliding_window_pattern: int =
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>",
         "eos_token": "<end_of_turn>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "chat_template": TEMPLATE, "model_max_length": 4096,
+        "chat_template": TEMPLATE, "model_max_length": 8192,
         "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                                  "image_token": "<image_soft_token>"},
     }))  # fmt: skip
     text = {
-        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "vocab_size": vocab, "query_pre_attn_scalar": 16,
+        "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+        "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": hidden // 4, "vocab_size": vocab, "query_pre_attn_scalar": hidden // 4,
         "sliding_window": 64, "sliding_window_pattern": sliding_window_pattern,
-        "mm_tokens_per_image": 4, "max_position_embeddings": 4096,
+        "mm_tokens_per_image": positions, "max_position_embeddings": 8192,
     }  # fmt: skip
     vision = {
-        "model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
-        "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 8,
-        "image_size": IMAGE_SIZE,
+        "model_type": "siglip_vision_model", "num_hidden_layers": layers // 2 or 1,
+        "hidden_size": hidden // 2, "intermediate_size": hidden, "num_attention_heads": 2,
+        "patch_size": patch_size, "image_size": image_size,
     }  # fmt: skip
     config = {
         "model_type": "gemma3", "text_config": text, "vision_config": vision,
         "vocab_size": vocab, "image_token_index": ids["<image_soft_token>"],
         "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
-        "hidden_size": 64, "pad_token_id": ids["<pad>"], "eos_token_id": [ids["<end_of_turn>"]],
-        "mm_tokens_per_image": 4,
+        "hidden_size": hidden, "pad_token_id": ids["<pad>"],
+        "eos_token_id": [ids["<end_of_turn>"]], "mm_tokens_per_image": positions,
     }  # fmt: skip
     model_config = gemma3.ModelConfig.from_dict(config)
     model_config.text_config = gemma3.TextConfig.from_dict(text)
@@ -77,12 +87,12 @@ def build_gemma3_vision(path: Path, seed: int = 0, sliding_window_pattern: int =
     (path / "config.json").write_text(json.dumps(config))
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor",
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "do_resize": True,
+        "size": {"height": image_size, "width": image_size}, "do_resize": True,
         "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
         "do_convert_rgb": True, "processor_class": "Gemma3Processor",
     }))  # fmt: skip
     (path / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4})
+        json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": positions})
     )
     return path
