@@ -75,12 +75,13 @@ def make_processors(
     presence_penalty: float,
     frequency_penalty: float,
 ) -> list:
-    processors = make_logits_processors(
-        logit_bias=logit_bias or None,
+    # A bias reads no context; the penalties count it by id: only they need `text_only`.
+    biases = make_logits_processors(logit_bias=logit_bias or None)
+    penalties = make_logits_processors(
         presence_penalty=presence_penalty or None,
         frequency_penalty=frequency_penalty or None,
     )
-    return [_on_text(p) for p in processors]
+    return [*biases, *(_on_text(p) for p in penalties)]
 
 
 def _on_text(processor: Callable) -> Callable:
