@@ -4,6 +4,7 @@ writes has those fields, its raw records outside the repository."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -68,3 +69,16 @@ def test_a_quick_run_writes_outside_the_results_and_raw_records_apart(
     assert result["workload"] == "decode" and "calls" not in json.dumps(result["summary"])
     assert json.loads((tmp_path / "decode.raw.json").read_text()) == {"calls": [1, 2, 3]}
     assert envelope.read_raw("decode") == {"calls": [1, 2, 3]}
+
+
+def test_the_performance_doc_is_what_the_results_give():
+    """docs/performance.md holds only figures the results hold: tools/performance_doc.py
+    writes it, and a result changed without it is caught here."""
+    path = ROOT / "tools" / "performance_doc.py"
+    spec = importlib.util.spec_from_file_location("performance_doc", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "performance.md").read_text() == module.render(), (
+        "run python tools/performance_doc.py"
+    )
