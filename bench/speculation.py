@@ -56,7 +56,7 @@ use_openblas()  # `--pass-cost` runs the model here: the server's BLAS, loaded b
 
 import httpx
 from envelope import RESULTS, write_result
-from harness import free_port, running
+from harness import STARTED, free_port, running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -115,6 +115,7 @@ def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
     port = free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-c", "24576", "-np", "8", "--spec-type", spec]  # fmt: skip
+    STARTED[f"llama:{spec}"] = cmd  # the envelope's servers: started here, not by the harness
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
