@@ -243,7 +243,6 @@ def main() -> None:
             ratio = p / o if o else float("inf")
             print(f"{length:>6} {n:>5} {key:<22} {fmt.format(o)} {fmt.format(p)} {ratio:>9.1f}x")
     write_result(args.out.name, args, started, rows)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -156,9 +156,9 @@ def write_result(
     folder: Path = RESULTS,
     **extra: Any,
 ) -> Path:
-    """Write the result file `name` (in `folder`, or beside the raw records on a quick run)
-    and `raw`, when given, to raw_dir(). `args` is argparse's namespace or a dict. Returns
-    the result's path."""
+    """Write the result file `name` (in `folder`, or beside the raw records on a quick run:
+    `python -m bench NAME --quick`, or a script's own --quick) and `raw`, when given, to
+    raw_dir(). `args` is argparse's namespace or a dict. Returns the result's path."""
     from harness import STARTED  # the servers this process started, when not given
 
     workload = os.environ.get("BENCH_WORKLOAD") or Path(name).stem
@@ -170,7 +170,8 @@ def write_result(
         raw_path.parent.mkdir(parents=True, exist_ok=True)
         raw_path.write_text(json.dumps(_plain(raw)))
         out["raw"] = f"{raw_path.name} (written outside the repository: BENCH_RAW_DIR)"
-    path = (raw_dir() / "quick" if quick() else folder) / f"{stem}.json"
+    short = quick() or args.get("quick") is True
+    path = (raw_dir() / "quick" if short else folder) / f"{stem}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}" + (f" and {raw_path}" if raw is not None else ""), flush=True)

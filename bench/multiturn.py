@@ -293,7 +293,7 @@ def main() -> None:
         + ", ".join(f"{k} {s.cache_bytes_peak / llama:.2f}x" for k, s in servers.items())
     )
     # The plots compare all workloads with the peer; a quick run leaves the docs' plots be.
-    if only is None and "peer" in servers and not quick():
+    if only is None and "peer" in servers and not (quick() or args.quick):
         for f in plot(summary, servers, RESULTS):
             print(f"wrote {f}")
 

@@ -82,3 +82,11 @@ def test_the_performance_doc_is_what_the_results_give():
     assert (ROOT / "docs" / "performance.md").read_text() == module.render(), (
         "run python tools/performance_doc.py"
     )
+
+
+def test_a_scripts_own_quick_run_stays_out_of_the_results(envelope, tmp_path, monkeypatch):
+    monkeypatch.delenv("BENCH_QUICK", raising=False)
+    monkeypatch.setenv("BENCH_RAW_DIR", str(tmp_path))
+    path = envelope.write_result("kv_bits_quick.json", {"quick": True}, 0.0, {"ours": 1.0},
+                                 servers={})  # fmt: skip
+    assert path == tmp_path / "quick" / "kv_bits_quick.json"
