@@ -1,18 +1,23 @@
-"""The benchmark suite: each workload behind a figure in README.md or docs/performance.md.
+"""The benchmark suite: the workloads behind docs/performance.md, grouped by the question
+each answers.
 
-    python -m bench                 # list the workloads
-    python -m bench NAME [ARGS...]  # run one; ARGS go to its script (see `--help`)
-    python -m bench all             # run every workload one after the other (hours)
+    python -m bench                          # list the workloads
+    python -m bench NAME [ARGS...]           # run one; ARGS go to its script (see `--help`)
+    python -m bench NAME --quick             # a short run: checks the harness end to end
+    python -m bench NAME --raw DIR           # keep raw per-request records in DIR
+    python -m bench all                      # every workload one after the other (hours)
 
 Each workload is a script in this folder that starts what it compares (our server,
-mlx_lm.server, our server from another checkout with `ours@PATH` where a script takes
-it) and writes one result file to bench/results/; `python -m bench NAME` runs it with
-the arguments that produced the figures. Install the extras first:
-`pip install -c requirements.lock -e ".[bench]"`.
+mlx_lm.server, our server from another checkout with `ours@PATH` where a script takes it;
+harness.py) and writes one result to bench/results/: the figures the docs show inside the
+envelope that says how they were measured (envelope.py). Raw records go to the system's
+temp folder. A quick run's result goes there too, so it never replaces a figure. Install
+the extras first: `pip install -c requirements.lock -e ".[bench]"`.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,80 +28,127 @@ HERE = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class Workload:
+    question: str
     script: str
     args: tuple[str, ...]
     result: str  # in bench/results/
     what: str
+    quick: tuple[str, ...] = ()  # appended on --quick: a shorter run of the same thing
 
 
 HYBRID = ("--workloads", "1,2,4", "--servers", "ours,peer", "--cache-max-bytes", "268435456")
+QUESTIONS = ("TTFT", "throughput", "reuse", "disk", "memory", "cache library",
+             "structured output", "images")  # fmt: skip
 
 WORKLOADS = {
-    "multiturn": Workload("multiturn.py", (), "multiturn_full.json",
-                          "five chat workloads against mlx_lm.server (sequential, 16 chats "
-                          "sharing a system prompt, overflow, branching, unique); the plots"),
-    "sharegpt": Workload("sharegpt.py", ("--rounds", "3"), "sharegpt.json",
-                         "real conversations (ShareGPT users' messages), 4 chats at a time"),
-    "agent": Workload("agent.py", (), "agent.json",
-                      "Claude Code and Codex sessions through /v1/messages and /v1/responses"),
-    "decode": Workload("decode.py", ("--rounds", "3"), "decode.json",
-                       "decode throughput with 8 and 16 streams"),
-    "vision": Workload("vision.py", (), "vision.json",
-                       "a screenshot's conversation against mlx-vlm's server: TTFT per turn"),
-    "speculation": Workload("speculation.py", (), "speculation.json",
-                            "prompt-lookup drafts: edit-style turns and chat, on and off"),
-    "speculation-batches": Workload("speculation.py", (
+    # TTFT: how soon the first token comes, warm and cold.
+    "warm-paired": Workload("TTFT", "warm_paired.py", (), "warm_paired.json",
+                            "warm turns sent to both servers, both up",
+                            ("--conversations", "2", "--turns", "2")),
+    "ttft-floor": Workload("TTFT", "ttft_floor.py", (), "ttft_floor.json",
+                           "a warm turn's TTFT against prefilling its new tokens in-process",
+                           ("--new", "100,250", "--repeat", "1")),
+    "arrivals": Workload("TTFT", "arrivals.py", (), "arrivals.json",
+                         "eight cold prompts arriving together", ("--rounds", "1")),
+    "cache-cost": Workload("TTFT", "cache_cost.py", (), "cache_cost.json",
+                           "the cache's own cost: ours against ours with --no-cache",
+                           ("--pairs", "3")),
+    # Throughput: tokens/s decoding, beside a prefill, with drafts.
+    "decode": Workload("throughput", "decode.py", ("--rounds", "3"), "decode.json",
+                       "decode throughput with 8 and 16 streams",
+                       ("--rounds", "1", "--streams", "2", "--tokens", "32")),
+    "mixed": Workload("throughput", "mixed.py", ("--rounds", "3"), "mixed.json",
+                      "running streams beside a long prompt's prefill",
+                      ("--rounds", "1", "--words", "300", "--streams", "2")),
+    "speculation": Workload("throughput", "speculation.py", (), "speculation.json",
+                            "prompt-lookup drafts: edit-style turns and chat, on and off",
+                            ("--rounds", "1", "--tokens", "64")),
+    "speculation-batches": Workload("throughput", "speculation.py", (
         "--rounds", "1", "--sharegpt", "8", "--servers", "ours,ours-plain",
-        "--out", "bench/results/speculation_ours.json"), "speculation_ours.json",
-        "prompt-lookup drafts in batches: a mixed batch, ShareGPT questions, on and off"),
-    "mixed": Workload("mixed.py", ("--rounds", "3"), "mixed.json",
-                      "running streams beside a long prompt's prefill"),
-    "cache-ops": Workload("cache_ops.py", (), "cache_ops.json",
-                          "the cache library against mlx-lm's LRUPromptCache, in-process"),
-    "cache-cost": Workload("cache_cost.py", (), "cache_cost.json",
-                           "the cache's own cost: ours against ours with --no-cache"),
-    "warm-paired": Workload("warm_paired.py", (), "warm_paired.json",
-                            "warm turns sent to both servers, both up"),
-    "restart": Workload("restart.py", (), "restart.json",
-                        "continuing a long conversation after a restart (the disk tier)"),
-    "overflow-disk": Workload("overflow_disk.py", (), "overflow_disk.json",
-                              "round-robin conversations with RAM at a quarter of their need"),
-    "structured": Workload("structured.py", (), "structured.json",
-                           "constrained decoding's cost, a tool conversation, apply_patch calls"),
-    "schema-bounds": Workload("schema_bounds.py", (), "schema_bounds.json",
-                              "how deep each schema construct goes before a stack overflows"),
-    "kv-bits": Workload("kv_bits.py", (), "kv_bits.json", "quantized KV: bytes, replies, TTFT"),
-    "arrivals": Workload("arrivals.py", (), "arrivals.json",
-                         "eight cold prompts arriving together"),
-    "ttft-floor": Workload("ttft_floor.py", (), "ttft_floor.json",
-                           "a warm turn's TTFT against prefilling its new tokens in-process"),
-    "cpu-attention": Workload("cpu_attention.py", (), "cpu_attention.json",
-                              "attention on the Linux CPU: the fast path against MLX's kernel"),
-    "models": Workload("models.py", (), "models.json",
-                       "several models: a cold load, and what an unload gives back"),
-    "sharded": Workload("sharded.py", (), "sharded.json", "one model sharded over 2 processes"),
-    "replicas": Workload("replicas.py", (), "replicas.json",
-                         "2 replicas behind sglang-router or HAProxy, against one server"),
-    "load": Workload("load.py", (), "load.json",
-                     "32 clients for 180 s: drops, bad requests, flushes; errors by class"),
-    **{f"hybrid-{arch}": Workload("multiturn.py", ("--hybrid", arch, *HYBRID),
+        "--out", "speculation_ours.json"), "speculation_ours.json",
+        "prompt-lookup drafts in batches: a mixed batch, ShareGPT questions, on and off",
+        ("--sharegpt", "2", "--tokens", "64")),
+    "cpu-attention": Workload("throughput", "cpu_attention.py", (), "cpu_attention.json",
+                              "attention on the Linux CPU: the fast path against MLX's kernel",
+                              ("--quick",)),
+    # Reuse: how much of each prompt the cache serves.
+    "multiturn": Workload("reuse", "multiturn.py", (), "multiturn_full.json",
+                          "five chat workloads against mlx_lm.server (sequential, 16 chats "
+                          "sharing a system prompt, overflow, branching, unique); the plots",
+                          ("--quick",)),
+    "sharegpt": Workload("reuse", "sharegpt.py", ("--rounds", "3"), "sharegpt.json",
+                         "real conversations (ShareGPT users' messages), 4 chats at a time",
+                         ("--rounds", "1", "--chats", "2", "--turns", "2")),
+    "agent": Workload("reuse", "agent.py", (), "agent.json",
+                      "Claude Code and Codex sessions through /v1/messages and /v1/responses",
+                      ("--turns", "4", "--sessions", "1", "--later-turns", "1")),
+    **{f"hybrid-{arch}": Workload("reuse", "multiturn.py", ("--hybrid", arch, *HYBRID),
                                   f"multiturn_full_w124_{arch}.json",
-                                  f"workloads 1, 2 and 4 on a tiny random {arch}")
+                                  f"workloads 1, 2 and 4 on a tiny random {arch}", ("--quick",))
        for arch in ("gemma3_text", "gpt_oss", "qwen3_5", "nemotron_h")},
+    # Disk: the tier under RAM.
+    "restart": Workload("disk", "restart.py", (), "restart.json",
+                        "continuing a long conversation after a restart (the disk tier)",
+                        ("--tokens", "1000")),
+    "overflow-disk": Workload("disk", "overflow_disk.py", (), "overflow_disk.json",
+                              "round-robin conversations with RAM at a quarter of their need",
+                              ("--conversations", "3", "--turns", "2")),
+    # Memory: what the server holds.
+    "models": Workload("memory", "models.py", (), "models.json",
+                       "several models: a cold load, and what an unload gives back",
+                       ("--rounds", "1")),
+    "kv-bits": Workload("memory", "kv_bits.py", (), "kv_bits.json",
+                        "quantized KV: bytes, replies, TTFT", ("--quick",)),
+    # The cache library on its own, in-process.
+    "cache-ops": Workload("cache library", "cache_ops.py", (), "cache_ops.json",
+                          "the cache library against mlx-lm's LRUPromptCache, in-process",
+                          ("--quick",)),
+    # Structured output: constrained decoding and tool calls.
+    "structured": Workload("structured output", "structured.py", (), "structured.json",
+                           "constrained decoding's cost, a tool conversation, apply_patch calls",
+                           ("--rounds", "1", "--turns", "2", "--patches", "2")),
+    # Images: a vision model's image turns.
+    "vision": Workload("images", "vision.py", (), "vision.json",
+                       "an image asked about over turns and in a second conversation, against "
+                       "mlx-vlm's server", ("--quick",)),
 }  # fmt: skip
 
 
 def listing() -> str:
     width = max(map(len, WORKLOADS))
-    rows = [f"  {name:<{width}}  {w.what}  -> results/{w.result}" for name, w in WORKLOADS.items()]
-    return "workloads (python -m bench NAME [ARGS...]):\n" + "\n".join(rows)
+    rows = []
+    for question in QUESTIONS:
+        rows.append(f"{question}:")
+        rows += [f"  {name:<{width}}  {w.what}  -> results/{w.result}"
+                 for name, w in WORKLOADS.items() if w.question == question]  # fmt: skip
+    return "workloads (python -m bench NAME [--quick] [--raw DIR] [ARGS...]):\n" + "\n".join(rows)
+
+
+def harness_flags(extra: list[str]) -> tuple[bool, str | None, list[str]]:
+    """(--quick, --raw DIR, the rest for the script) from a run's arguments."""
+    quick, raw, rest = False, None, []
+    it = iter(extra)
+    for arg in it:
+        if arg == "--quick":
+            quick = True
+        elif arg == "--raw":
+            raw = next(it, None)
+        else:
+            rest.append(arg)
+    return quick, raw, rest
 
 
 def run(name: str, extra: list[str]) -> int:
     w = WORKLOADS[name]
-    cmd = [sys.executable, str(HERE / w.script), *w.args, *extra]
+    quick, raw, rest = harness_flags(extra)
+    cmd = [sys.executable, str(HERE / w.script), *w.args, *(w.quick if quick else ()), *rest]
+    env = dict(os.environ, BENCH_WORKLOAD=name, PYTHONUNBUFFERED="1")
+    if quick:
+        env["BENCH_QUICK"] = "1"
+    if raw:
+        env["BENCH_RAW_DIR"] = str(Path(raw).resolve())
     print("+ " + " ".join(cmd[1:]), flush=True)
-    return subprocess.call(cmd, cwd=HERE.parent)
+    return subprocess.call(cmd, cwd=HERE.parent, env=env)
 
 
 def main(argv: list[str]) -> int:

@@ -39,11 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from anthropic import AsyncAnthropic
-from multiturn import RESULTS, WORDS, running
+from envelope import RESULTS, read_raw, write_result
+from harness import WORDS, running
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
-from mlx_cache_server.serving.tools import calls_as_text
 
 TOOLS = {
     "Read": {"file_path": "string", "offset": "integer", "limit": "integer"},
@@ -162,6 +162,18 @@ def responses_request(system: str, s: Session, upto: int) -> dict:
         if turn["user"]:
             items.append({"role": "user", "content": turn["user"]})
     return {"instructions": system, "input": items}
+
+
+def calls_as_text(calls: list[dict]) -> str:
+    """Tool calls written as the forced call's own compact JSON, as our server wrote them for a
+    template without tools when this workload's figures were taken (the server's function of
+    that name is gone; the peer's prompts stay what they were)."""
+    out = []
+    for call in calls:
+        function = call["function"]
+        body = {"name": function["name"], "arguments": json.loads(function["arguments"])}
+        out.append(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+    return "".join(out)
 
 
 def chat_messages(system: str, head: str | None, s: Session, upto: int) -> list[dict]:
@@ -341,17 +353,15 @@ def main() -> None:
     ap.add_argument("--result-words", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--model", default=None, help="model folder (default: the embedded one)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "agent.json")
-    ap.add_argument("--report", action="store_true", help="summarize --out again, run nothing")
+    ap.add_argument("--report", action="store_true",
+                    help="plot the last run's raw records again, run nothing")  # fmt: skip
     args = ap.parse_args()
     if args.report:
-        saved = json.loads(args.out.read_text())
-        turns = [Turn(**t) for t in saved["turns"]]
-        saved["summary"].update(summarize(turns))
-        args.out.write_text(json.dumps(saved, indent=1))
-        plot(turns, args.out.with_suffix(".png"))
-        print(json.dumps(saved["summary"], indent=1))
+        turns = [Turn(**t) for t in read_raw("agent")["turns"]]
+        plot(turns, RESULTS / "agent.png")
+        print(json.dumps(summarize(turns), indent=1))
         return
+    started = time.time()
     model = args.model or str(default_model_dir())
     system = system_text(args.system_words)
     budget = 2 * 1024**3
@@ -368,10 +378,9 @@ def main() -> None:
         "ours": ours.peak_rss / 2**20, "ours-strip": strip.peak_rss / 2**20,
         "peer": peer.peak_rss / 2**20,
     }  # fmt: skip
-    args.out.write_text(
-        json.dumps({"summary": summary, "turns": [asdict(t) for t in turns]}, indent=1)
-    )
-    plot(turns, args.out.with_suffix(".png"))
+    path = write_result("agent.json", args, started, summary,
+                        raw={"turns": [asdict(t) for t in turns]})  # fmt: skip
+    plot(turns, path.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
 
 

@@ -24,7 +24,8 @@ import json
 import statistics
 import time
 
-from multiturn import RESULTS, running, system_prompt
+from envelope import write_result
+from harness import running, system_prompt
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -70,6 +71,7 @@ def main() -> None:
         help="also run our server from this checkout folder (say, a worktree of HEAD~1)",
     )
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     servers = {"ours": "ours", "peer": "peer"}
     if args.ours_at:
@@ -97,9 +99,7 @@ def main() -> None:
             ),
             "alone_total": statistics.median(sum(r["alone"]) for r in rounds),
         }
-    (RESULTS / "arrivals.json").write_text(
-        json.dumps({"words": WORDS, "summary": summary, "rounds": results}, indent=2)
-    )
+    write_result("arrivals.json", args, started, summary, raw={"rounds": results}, words=WORDS)
     print(json.dumps(summary, indent=2))
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
+import time
 
 import httpx
-from multiturn import RESULTS, Call, running, send, system_prompt
+from envelope import write_result
+from harness import Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=24)
     ap.add_argument("--cache-max-bytes", type=int, default=92 * 2**20)
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     with (
         running("ours", model, 32, args.cache_max_bytes) as cached,
@@ -70,8 +72,7 @@ def main() -> None:
         "cost_median_pct": (statistics.median(ratios) - 1) * 100,
         "same_outputs": all(same for _, _, same in results),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cache_cost.json").write_text(json.dumps(report, indent=2))
+    write_result("cache_cost.json", args, started, report)
     for key, value in report.items():
         print(f"{key:>24}: {value}")
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
+from envelope import write_result
 from mlx_lm.models.cache import KVCache, PromptTrie
 from mlx_lm.models.cache import LRUPromptCache as PeerCache
 
@@ -208,10 +208,9 @@ def run_pair(length: int, n_convs: int, shared: list[mx.array]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "cache_ops.json"
-    )
+    ap.add_argument("--out", type=Path, default=Path("cache_ops.json"), help="a file name")
     args = ap.parse_args()
+    started = time.time()
     configs = [(1024, 100), (8192, 30)] if args.quick else [(1024, 1000), (8192, 300), (32768, 100)]
     mx.random.seed(0)
     shared = [mx.random.normal((1, KV_HEADS, 32768, HEAD_DIM)).astype(DTYPE) for _ in range(LAYERS)]
@@ -243,9 +242,7 @@ def main() -> None:
             fmt = "{:12.3f}" if key.endswith("ms") else "{:12,d}"
             ratio = p / o if o else float("inf")
             print(f"{length:>6} {n:>5} {key:<22} {fmt.format(o)} {fmt.format(p)} {ratio:>9.1f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out.name, args, started, rows)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ use_openblas()  # as the server does, before MLX is imported
 
 import mlx.core as mx
 import mlx.nn as nn
-from multiturn import RESULTS, Call, running, send, system_prompt
+from envelope import RESULTS, write_result
+from harness import Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -251,13 +252,16 @@ def main() -> None:
     ap.add_argument("--part", choices=["1", "2"], default=None, help="default: both")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    path = RESULTS / ("cpu_attention_quick.json" if args.quick else "cpu_attention.json")
-    result = json.loads(path.read_text()) if path.exists() else {}
+    started = time.time()
+    name = "cpu_attention_quick.json" if args.quick else "cpu_attention.json"
+    # One part run alone keeps the other's figures from the result before.
+    path = RESULTS / name
+    result = json.loads(path.read_text()).get("summary", {}) if path.exists() else {}
     if args.part in (None, "1"):
         result["profile"] = part1(args.quick)
     if args.part in (None, "2"):
         result["servers"] = part2(args.quick)
-    path.write_text(json.dumps(result, indent=2))
+    write_result(name, args, started, result)
     print(json.dumps({k: v for k, v in result.get("servers", {}).items() if k != "runs"}, indent=2))
 
 

@@ -1,6 +1,6 @@
 """Decode throughput with many streams: ours against mlx_lm.server.
 
-Each server runs alone in turn (default model, OpenBLAS, `multiturn.start`). For each
+Each server runs alone in turn (default model, OpenBLAS, `harness.start`). For each
 stream count (8, 16), that many unique short chats stream at once through the `openai`
 SDK, greedy, `--tokens` tokens each (the end token banned with logit_bias so every
 stream runs to the end); each server once a round, in alternating order. Reported:
@@ -19,7 +19,8 @@ import statistics
 import threading
 import time
 
-from multiturn import RESULTS, running, system_prompt
+from envelope import write_result
+from harness import running, system_prompt
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -76,6 +77,7 @@ def main() -> None:
         help="also run our server from this checkout folder (say, a worktree of HEAD~1)",
     )
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     from transformers import AutoTokenizer
 
@@ -100,9 +102,7 @@ def main() -> None:
         name: {n: summarize(runs, rounds["peer"][n]) for n, runs in by_n.items()}
         for name, by_n in rounds.items()
     }
-    (RESULTS / "decode.json").write_text(
-        json.dumps({"args": vars(args), "summary": summary, "rounds": rounds}, indent=2)
-    )
+    write_result("decode.json", args, started, summary, raw={"rounds": rounds})
     print(json.dumps(summary, indent=2))
 
 

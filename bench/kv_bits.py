@@ -21,9 +21,11 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 
 import httpx
-from multiturn import RESULTS, Call, running, send, system_prompt
+from envelope import write_result
+from harness import Call, running, send, system_prompt
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
@@ -88,6 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    started = time.time()
     args.questions, args.conversations, args.turns = (4, 2, 3) if args.quick else (16, 3, 4)
     args.tokens, args.system_words = 64, 600
     model = str(default_model_dir())
@@ -123,8 +126,7 @@ def main() -> None:
         if name != "ours":
             r.update(agreement(tok, reference, calls["singles"]))
         summary[name] = r
-    path = RESULTS / ("kv_bits_quick.json" if args.quick else "kv_bits.json")
-    path.write_text(json.dumps({"args": vars(args), "servers": summary}, indent=2))
+    write_result("kv_bits_quick.json" if args.quick else "kv_bits.json", args, started, summary)
     print(json.dumps(summary, indent=2))
 
 

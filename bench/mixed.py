@@ -25,7 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-from multiturn import RESULTS, WORDS, running
+from envelope import write_result
+from harness import WORDS, running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -144,16 +145,16 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--servers", default="ours,peer", help="ours, peer, ours@PATH (a checkout)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "mixed.json")
+    ap.add_argument("--out", type=Path, default=Path("mixed.json"), help="in bench/results/")
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(model).eos_token_id
     args.ban = {} if eos is None else {str(eos): -100}
     result = {kind: measure(kind, model, args) for kind in args.servers.split(",")}
-    result["settings"] = vars(args) | {"out": str(args.out)}
-    args.out.write_text(json.dumps(result, indent=1))
+    write_result(args.out.name, args, started, result)
     print(json.dumps(result, indent=1))
 
 

@@ -12,14 +12,14 @@ alternating requests unload one and load the other, as the peer's swap does.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from multiturn import RESULTS, running
+from envelope import write_result
+from harness import running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -84,6 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
+    started = time.time()
     folder = default_model_dir()
     copy = Path(tempfile.mkdtemp(prefix="bench-models-")) / "smol-second"
     copy.mkdir()
@@ -110,8 +111,7 @@ def main() -> None:
         results["peer"] = measure(
             f"http://127.0.0.1:{s.port}", s.proc.pid, str(folder), str(copy), args.rounds
         )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "models.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result("models.json", args, started, results)
     mib = 1024**2
     print(f"weights {weights / mib:.0f} MiB; our budget {budget / mib:.0f} MiB (one model)")
     for name in ("ours", "peer"):

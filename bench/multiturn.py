@@ -26,49 +26,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
-import httpx
-from openai import APIConnectionError, AsyncOpenAI
+from envelope import RESULTS, quick, read_raw, write_result
+from harness import (
+    Call,
+    Server,
+    observe,
+    percentile,
+    question,
+    running,
+    send,
+    system_prompt,
+    turn_hits,
+)
+from openai import AsyncOpenAI
+from plots import plot
 
 from mlx_cache_server.models.default_model import default_model_dir
 from mlx_cache_server.prompt_cache.radix import common_prefix_length
-from mlx_cache_server.runtime.blas import find_openblas
-
-RESULTS = Path(__file__).parent / "results"
-WORDS = (
-    "system careful answer question concise helpful detail example context reason clear "
-    "brief accurate friendly polite expert language model user assistant guideline rule"
-).split()
-
-
-@dataclass
-class Call:
-    workload: str
-    conv: int
-    turn: int
-    wave: int  # requests of one wave are sent together
-    messages: list[dict]
-    ttft: float = 0.0
-    total: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    reply: str = ""
-    ceiling: int = 0
-    retries: int = 0  # attempts lost to a dropped connection before this one succeeded
 
 
 class ChatShape(NamedTuple):
@@ -79,214 +62,6 @@ class ChatShape(NamedTuple):
     concurrent: bool
     words: int  # of the system prompt they share
     seed: int  # of the system prompt's words
-
-
-@dataclass
-class Server:
-    kind: str  # "ours", "ours-nocache", "peer" or "ours@PATH"
-    port: int
-    proc: subprocess.Popen | None = None
-    peak_rss: int = 0
-    cache_bytes_peak: int = 0  # ours: /v1/cache after each wave; the peer: its own log
-    log: Path | None = None
-    calls: list[Call] = field(default_factory=list)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def peer_env(kind: str) -> dict[str, str]:
-    """The environment a server of `kind` starts in. Both get the same BLAS: ours loads
-    OpenBLAS itself (an older tree of ours, `ours@`, preloaded it), mlx_lm.server is given
-    it in LD_PRELOAD, where it serves MLX's matmuls the same way."""
-    env = dict(os.environ)
-    if not kind.startswith("ours") and (openblas := find_openblas()):
-        env["LD_PRELOAD"] = openblas
-    return env
-
-
-def package(tree: str | None) -> str:
-    """The server's import package in `tree` (this one if None): `app` before it had a name
-    of its own."""
-    root = Path(tree) if tree else Path(__file__).resolve().parents[1]
-    return "mlx_cache_server" if (root / "mlx_cache_server").is_dir() else "app"
-
-
-def start(
-    kind: str, model: str, max_sequences: int, max_bytes: int, extra: Sequence[str] = ()
-) -> Server:
-    port = free_port()
-    # "ours@PATH": our server from another checkout (say, the previous commit), run from
-    # its folder so that `-m` imports that tree's code.
-    cwd = kind.partition("@")[2] or None
-    if kind == "peer":
-        cmd = [
-            sys.executable,
-            "-m",
-            "mlx_lm.server",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--prompt-cache-size",
-            str(max_sequences),
-            "--prompt-cache-bytes",
-            str(max_bytes),
-            "--log-level",
-            "INFO",  # its "Prompt Cache: N sequences, X GB" lines give the bytes it holds
-        ]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            package(cwd),
-            "serve",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--served-model-name",
-            "bench",
-            "--cache-max-sequences",
-            str(max_sequences),
-            "--cache-max-bytes",
-            str(max_bytes),
-            "--log-level",
-            "warning",
-        ]
-        if kind == "ours-nocache":
-            cmd.append("--no-cache")
-        cmd += extra
-    env = peer_env(kind)
-    log = Path(tempfile.mkstemp(prefix=f"bench-{kind.replace('/', '_')}-", suffix=".log")[1])
-    with log.open("wb") as err:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", [proc], f"{kind} server")
-    except RuntimeError:
-        proc.kill()
-        raise
-    return Server(kind, port, proc, log=log)
-
-
-def wait_ready(
-    url: str,
-    procs: Sequence[subprocess.Popen],
-    what: str,
-    seconds: float = 300,
-    path: str = "/v1/models",
-    log: Path | None = None,
-) -> None:
-    """Return once `url` answers `path` with a 200; RuntimeError (with the end of `log`)
-    if one of `procs` exits first or `seconds` pass."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        exited = [p.returncode for p in procs if p.poll() is not None]
-        if exited or time.monotonic() > deadline:
-            why = f"exited with {exited[0]}" if exited else "did not start"
-            tail = log.read_text(errors="replace")[-2000:] if log is not None else ""
-            raise RuntimeError(f"{what} {why}" + (f": {tail}" if tail else ""))
-        time.sleep(0.5)
-
-
-@contextmanager
-def running(
-    kind: str, model: str, max_sequences: int, max_bytes: int, extra: Sequence[str] = ()
-) -> Iterator[Server]:
-    """A started server, stopped (peak RSS and cache bytes read) however the block ends."""
-    server = start(kind, model, max_sequences, max_bytes, extra)
-    try:
-        yield server
-    finally:
-        stop(server)
-
-
-def stop(server: Server) -> None:
-    try:
-        status = Path(f"/proc/{server.proc.pid}/status").read_text()
-        server.peak_rss = next(
-            int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM")
-        )
-    except (OSError, StopIteration):
-        server.peak_rss = 0
-    server.proc.terminate()
-    try:
-        server.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-    if server.log is not None:
-        if server.kind == "peer":
-            server.cache_bytes_peak = peer_cache_bytes(server.log)
-        server.log.unlink(missing_ok=True)
-
-
-async def send(
-    client: AsyncOpenAI, model: str, call: Call, max_tokens: int, extra: dict | None = None
-) -> None:
-    """One streamed request; a dropped connection is retried (and counted), not fatal.
-
-    mlx_lm.server has dropped a connection under concurrent streams: one lost request
-    must not cost a run of tens of minutes. The retry's TTFT is the one recorded.
-    """
-    for attempt in range(3):
-        try:
-            await _send_once(client, model, call, max_tokens, extra)
-            return
-        except (APIConnectionError, httpx.TransportError):
-            if attempt == 2:
-                raise
-            call.retries += 1
-            await asyncio.sleep(1)
-
-
-async def _send_once(
-    client: AsyncOpenAI, model: str, call: Call, max_tokens: int, extra: dict | None
-) -> None:
-    call.ttft = 0.0
-    t0 = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=call.messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body=extra,
-    )
-    parts = []
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if not parts:
-                call.ttft = time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            call.prompt_tokens = chunk.usage.prompt_tokens
-            call.completion_tokens = chunk.usage.completion_tokens
-            details = chunk.usage.prompt_tokens_details
-            call.cached_tokens = (details.cached_tokens or 0) if details else 0
-    call.total = time.perf_counter() - t0
-    call.ttft = call.ttft or call.total
-    call.reply = "".join(parts)
-
-
-def system_prompt(words: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(words))
-
-
-def question(conv: int, turn: int) -> str:
-    n = turn * 7 + conv
-    return f"Conversation {conv}, turn {turn}: tell me one short fact about the number {n}."
 
 
 class Workloads:
@@ -392,19 +167,6 @@ class Workloads:
             observe(server)
 
 
-def observe(server: Server) -> None:
-    """Track the most bytes our cache has held (the peer's come from its log at stop)."""
-    if server.kind == "ours" or server.kind.startswith("ours@"):
-        report = httpx.get(f"http://127.0.0.1:{server.port}/v1/cache", timeout=10).json()
-        server.cache_bytes_peak = max(server.cache_bytes_peak, report["bytes"])
-
-
-def peer_cache_bytes(log: Path) -> int:
-    """The most bytes mlx_lm.server reported holding (logged in GB, to 10 MB)."""
-    found = re.findall(rb"Prompt Cache: \d+ sequences, ([\d.]+) GB", log.read_bytes())
-    return max((int(float(gb) * 1e9) for gb in found), default=0)
-
-
 def add_ceilings(calls: list[Call], tokenizer) -> int:
     """Tokens a perfect cache could have reused for each call, from the token streams.
 
@@ -428,11 +190,6 @@ def add_ceilings(calls: list[Call], tokenizer) -> int:
     # Tokens a store sharing every prefix once holds: each stream's own past the one before.
     pairs = zip([[], *streams[:-1]], streams, strict=True)
     return sum(len(b) - common_prefix_length(a, b) for a, b in pairs)
-
-
-def percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
 
 
 def summarize(servers: dict[str, Server]) -> dict:
@@ -465,23 +222,6 @@ def summarize(servers: dict[str, Server]) -> dict:
     return out
 
 
-def turn_hits(calls: list[Call]) -> float | None:
-    """Share of follow-up turns whose previous turn's whole prompt came from the cache.
-
-    Token reuse alone hides whether a conversation's own history survived: a cache
-    that only kept the shared system prompt still reuses most tokens.
-    """
-    previous: dict[int, Call] = {}
-    hits = total = 0
-    for c in calls:
-        p = previous.get(c.conv)
-        if p is not None and c.turn == p.turn + 1:
-            total += 1
-            hits += c.cached_tokens >= p.prompt_tokens
-        previous[c.conv] = c
-    return hits / total if total else None
-
-
 def compare_outputs(servers: dict[str, Server]) -> dict[str, int]:
     ours = servers["ours"].calls
     out = {}
@@ -490,69 +230,6 @@ def compare_outputs(servers: dict[str, Server]) -> dict[str, int]:
             other = servers[kind].calls
             out[kind] = sum(a.reply != b.reply for a, b in zip(ours, other, strict=True))
     return out
-
-
-def plot(summary: dict, servers: dict[str, Server], path: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    files = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, w in zip(axes, ("1-sequential", "2-shared"), strict=True):
-        for kind, s in servers.items():
-            turns = sorted({c.turn for c in s.calls if c.workload == w})
-            med = [
-                statistics.median(c.ttft for c in s.calls if c.workload == w and c.turn == t)
-                for t in turns
-            ]
-            ax.plot(turns, med, marker="o", label=kind)
-        ax.set_title(f"workload {w}: TTFT by turn (median)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("turn")
-        ax.set_ylabel("seconds")
-        ax.legend()
-    fig.tight_layout()
-    files.append(path / "ttft_by_turn.png")
-    fig.savefig(files[-1], dpi=110)
-
-    fig, ax = plt.subplots(figsize=(9, 4))
-    workloads = list(summary)
-    kinds = [k for k in servers if k != "ours-nocache"]
-    width = 0.8 / (len(kinds) + 1)
-    for i, kind in enumerate(kinds):
-        ax.bar(
-            [j + i * width for j in range(len(workloads))],
-            [summary[w][kind]["reuse"] for w in workloads],
-            width,
-            label=f"{kind} reuse",
-        )
-    ax.bar(
-        [j + len(kinds) * width for j in range(len(workloads))],
-        [summary[w]["ours"]["ceiling"] for w in workloads],
-        width,
-        label="ceiling",
-        color="grey",
-    )
-    ax.set_xticks([j + width for j in range(len(workloads))], workloads)
-    ax.set_ylabel("cached / prompt tokens")
-    ax.set_title("Reuse against the ceiling")
-    ax.legend()
-    fig.tight_layout()
-    files.append(path / "reuse.png")
-    fig.savefig(files[-1], dpi=110)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(list(servers), [s.peak_rss / 2**20 for s in servers.values()])
-    ax.set_ylabel("peak RSS (MiB)")
-    ax.set_title("Server memory over the whole run")
-    fig.tight_layout()
-    files.append(path / "memory.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close("all")
-    return files
 
 
 def main() -> None:
@@ -569,8 +246,9 @@ def main() -> None:
         help="any of ours, ours-nocache, peer, and ours@PATH (our server from that checkout)",
     )
     ap.add_argument("--workloads", default=None, help="e.g. 1,2 (default: all five)")
-    ap.add_argument("--report", type=Path, default=None,
-                    help="summarize and plot a saved results JSON instead of running")  # fmt: skip
+    ap.add_argument("--report", default=None, metavar="NAME",
+                    help="summarize and plot a saved run's raw records (say multiturn_full) "
+                         "instead of running")  # fmt: skip
     ap.add_argument("--unique", type=int, default=None, help="requests in workload 5")
     ap.add_argument("--cache-max-sequences", type=int, default=32)
     ap.add_argument(
@@ -583,6 +261,7 @@ def main() -> None:
     if args.report is not None:
         report(args.report)
         return
+    started = time.time()
     model = args.model or str(default_model_dir())
     if args.hybrid:
         model = str(hybrid_model(args.hybrid))
@@ -605,7 +284,7 @@ def main() -> None:
         servers[kind] = server
         print(f"[{kind}] done: {len(server.calls)} requests, peak RSS {server.peak_rss >> 20} MiB")
         # Saved after each server, so a later server's failure keeps the runs done so far.
-        summary, mismatches = save(RESULTS / f"multiturn_{tag}.json", budget, servers)
+        summary, mismatches = save(f"multiturn_{tag}.json", args, started, budget, servers)
     print_table(summary, servers, mismatches, budget)
     llama = per_token * distinct  # every token once, every layer full attention
     print(
@@ -613,7 +292,8 @@ def main() -> None:
         f"token of the run once ({llama / 2**20:.1f} MiB): "
         + ", ".join(f"{k} {s.cache_bytes_peak / llama:.2f}x" for k, s in servers.items())
     )
-    if only is None and "peer" in servers:  # the plots compare all workloads with the peer
+    # The plots compare all workloads with the peer; a quick run leaves the docs' plots be.
+    if only is None and "peer" in servers and not (quick() or args.quick):
         for f in plot(summary, servers, RESULTS):
             print(f"wrote {f}")
 
@@ -643,23 +323,21 @@ def hybrid_model(arch: str) -> Path:
     return build_hybrid_model(folder, arch, **wider)
 
 
-def save(path: Path, budget: int, servers: dict[str, Server]) -> tuple[dict, dict]:
+def save(
+    name: str, args: argparse.Namespace, started: float, budget: int, servers: dict[str, Server]
+) -> tuple[dict, dict]:
+    """The result `name` (summary and envelope); each request's record goes to the raw file."""
     summary = summarize(servers)
     mismatches = compare_outputs(servers) if "ours" in servers else {}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {
-                "budget_bytes": budget,
-                "summary": summary,
-                "mismatches_vs_ours": mismatches,
-                "peak_rss": {k: s.peak_rss for k, s in servers.items()},
-                "cache_bytes_peak": {k: s.cache_bytes_peak for k, s in servers.items()},
-                "calls": {k: [asdict(c) for c in s.calls] for k, s in servers.items()},
-            },
-            indent=2,
-        )
-    )
+    write_result(
+        name, args, started, summary,
+        raw={"budget_bytes": budget, "peak_rss": {k: s.peak_rss for k, s in servers.items()},
+             "cache_bytes_peak": {k: s.cache_bytes_peak for k, s in servers.items()},
+             "calls": {k: [asdict(c) for c in s.calls] for k, s in servers.items()}},
+        budget_bytes=budget, mismatches_vs_ours=mismatches,
+        peak_rss={k: s.peak_rss for k, s in servers.items()},
+        cache_bytes_peak={k: s.cache_bytes_peak for k, s in servers.items()},
+    )  # fmt: skip
     return summary, mismatches
 
 
@@ -691,9 +369,9 @@ def overflow_budget_tokens(workloads: Workloads, tokenizer) -> int:
     return shared + shape.convs * own
 
 
-def report(path: Path) -> None:
-    """The table and plots of a saved run, recomputed from its requests."""
-    saved = json.loads(path.read_text())
+def report(name: str) -> None:
+    """The table and plots of a saved run, recomputed from its raw records."""
+    saved = read_raw(name)
     servers = {}
     for kind, calls in saved["calls"].items():
         peak = saved.get("cache_bytes_peak", {}).get(kind, 0)
@@ -702,7 +380,7 @@ def report(path: Path) -> None:
     summary = summarize(servers)
     print_table(summary, servers, compare_outputs(servers), saved["budget_bytes"])
     if "peer" in servers and len(summary) == 5:
-        for f in plot(summary, servers, path.parent):
+        for f in plot(summary, servers, RESULTS):
             print(f"wrote {f}")
 
 

@@ -21,18 +21,18 @@ import argparse
 import asyncio
 import json
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from envelope import write_result
+from harness import Server, running
 from multiturn import (
-    RESULTS,
     ChatShape,
-    Server,
     Workloads,
     add_ceilings,
     chat_sizes,
     kv_bytes_per_token,
-    running,
     summarize,
 )
 from openai import AsyncOpenAI
@@ -75,8 +75,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--system-words", type=int, default=150)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=RESULTS / "overflow_disk.json")
+    ap.add_argument(
+        "--out", type=Path, default=Path("overflow_disk.json"), help="in bench/results/"
+    )
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -99,7 +102,7 @@ def main() -> None:
         rows["ours-disk"]["warm_ttft_median"] / rows["ours-ram"]["warm_ttft_median"]
     )
     summary["budgets"] = {"ram_small": small, "ram_large": large, "need": need}
-    args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    write_result(args.out.name, args, started, summary, raw={"rows": rows})
     print(json.dumps(summary, indent=1))
 
 

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
-from multiturn import RESULTS, start, stop, system_prompt
+from envelope import write_result
+from harness import start, stop, system_prompt
 from openai import OpenAI
 from transformers import AutoTokenizer
 
@@ -125,8 +126,9 @@ def read_speed(nbytes: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=7000)
-    ap.add_argument("--out", type=Path, default=RESULTS / "restart.json")
+    ap.add_argument("--out", type=Path, default=Path("restart.json"), help="in bench/results/")
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     first = conversation(model, args.tokens)
     with tempfile.TemporaryDirectory() as cache_dir:
@@ -155,8 +157,8 @@ def main() -> None:
     }
     for run in (ours, peer):
         run.pop("next_turn")
-    args.out.write_text(json.dumps({"summary": summary, "ours": ours, "peer": peer,
-                                    "cold": cold}, indent=1))  # fmt: skip
+    write_result(args.out.name, args, started, summary,
+                 raw={"ours": ours, "peer": peer, "cold": cold})  # fmt: skip
     print(json.dumps(summary, indent=1))
 
 

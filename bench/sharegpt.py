@@ -6,7 +6,7 @@ with at least `--turns` user messages of 3 to `--max-words` words each. The assi
 turns are each server's own greedy replies (up to 128 tokens), so every follow-up resends
 the whole conversation, as chat UIs do. `--concurrency` chats run at a time, each turn
 after the previous one's reply. Each server runs alone in turn, started the same way
-(`multiturn.start`), through the `openai` SDK.
+(`harness.start`), through the `openai` SDK.
 
 Reported per server: TTFT median of first turns (cold: only the template's start can be
 reused) and of follow-ups (warm), cached share of the follow-ups' prompt tokens, and ours
@@ -21,8 +21,10 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 
-from multiturn import RESULTS, Call, running, send
+from envelope import write_result
+from harness import Call, running, send
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -104,6 +106,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="each server started once a round")
     ap.add_argument("--ours-at", help="also run our server from this checkout")
     args = ap.parse_args()
+    started = time.time()
     chats = conversations(args.chats, args.turns, args.max_words)
     model = str(default_model_dir())
     servers = {"ours": "ours", "peer": "peer"}
@@ -121,9 +124,7 @@ def main() -> None:
             rounds.setdefault(name, []).append(summarize(calls))
             print(r, name, rounds[name][-1], flush=True)
     summary = {name: over_rounds(runs, rounds["peer"]) for name, runs in rounds.items()}
-    (RESULTS / "sharegpt.json").write_text(
-        json.dumps({"args": vars(args), "summary": summary, "rounds": rounds}, indent=2)
-    )
+    write_result("sharegpt.json", args, started, summary, raw={"rounds": rounds})
     print(json.dumps(summary, indent=2))
 
 

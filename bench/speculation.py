@@ -1,6 +1,6 @@
 """Prompt-lookup speculation: edit-style turns and ordinary chat, with it and without.
 
-Servers each alone in turn (default model, OpenBLAS, `multiturn.start`): ours, ours with
+Servers each alone in turn (default model, OpenBLAS, `harness.start`): ours, ours with
 `--no-speculation`, and mlx_lm.server (which has no draft model to use here); with
 `--llama-server PATH --llama-gguf F32.gguf`, llama.cpp's server too, once for each of its
 n-gram modes in `--llama-spec` (`--spec-type`, 8 slots, `--llama-threads` threads; the
@@ -55,7 +55,8 @@ from mlx_cache_server.runtime.blas import use_openblas
 use_openblas()  # `--pass-cost` runs the model here: the server's BLAS, loaded before MLX
 
 import httpx
-from multiturn import RESULTS, free_port, running
+from envelope import RESULTS, write_result
+from harness import STARTED, free_port, running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -114,6 +115,7 @@ def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
     port = free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-c", "24576", "-np", "8", "--spec-type", spec]  # fmt: skip
+    STARTED[f"llama:{spec}"] = cmd  # the envelope's servers: started here, not by the harness
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -237,7 +239,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS / "speculation.json")
+    ap.add_argument("--out", type=Path, default=Path("speculation.json"), help="a file name")
     ap.add_argument("--pass-cost", action="store_true", help="measure a pass's cost by rows")
     ap.add_argument("--pass-rows", default="1,2,4,8", help="--pass-cost's numbers of rows")
     ap.add_argument("--sharegpt", type=int, default=0, help="ShareGPT questions to add")
@@ -250,8 +252,10 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="plot --out again, run nothing")
     args = ap.parse_args()
     if args.report:
-        plot(json.loads(args.out.read_text())["summary"], args.out.with_suffix(".png"))
+        saved = RESULTS / args.out.name
+        plot(json.loads(saved.read_text())["summary"], saved.with_suffix(".png"))
         return
+    began = time.time()
     if args.pass_cost:
         pass_cost(rows=tuple(int(n) for n in args.pass_rows.split(",")))
         return
@@ -319,9 +323,9 @@ def main() -> None:
         d = results["ours"]["drafts"]
         summary["drafted"], summary["accepted"] = d.get("drafted"), d.get("accepted")
         summary["acceptance"] = results["ours"]["acceptance"]
-    args.out.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    path = write_result(args.out.name, args, began, summary, raw={"results": results})
     if summary:
-        plot(summary, args.out.with_suffix(".png"))
+        plot(summary, path.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
 
 

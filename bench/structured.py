@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from multiturn import RESULTS, running
+from envelope import write_result
+from harness import running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -186,6 +187,7 @@ def main() -> None:
     ap.add_argument("--patches", type=int, default=12)
     ap.add_argument("--only-patches", action="store_true")
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     with running("ours", model, 32, 256 * 2**20) as server:
         client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
@@ -205,8 +207,8 @@ def main() -> None:
         "tool_reused_previous_whole": sum(bool(r["reused_previous_whole"]) for r in later),
         "tool_rows": rows,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "structured.json").write_text(json.dumps(report, indent=2))
+    summary = {k: v for k, v in report.items() if k != "tool_rows"}
+    write_result("structured.json", args, started, summary, raw={"tool_rows": rows})
     for key, value in report.items():
         if key != "tool_rows":
             print(f"{key:>28}: {value}")

@@ -1,6 +1,6 @@
 """A warm turn's TTFT against its physical limit: prefilling its new tokens plus one decode step.
 
-Our server (default model, OpenBLAS preloaded, as `multiturn.start` runs it) gets, for
+Our server (default model, OpenBLAS preloaded, as `harness.start` runs it) gets, for
 each N, a conversation whose first turn (a short system prompt and question) is sent
 first, then follow-ups carrying about N new tokens; a follow-up's TTFT is taken
 through the `openai` SDK, with the tokens it reports as cached and prompt. With
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from contextlib import ExitStack
@@ -36,7 +35,8 @@ from mlx_cache_server.runtime.blas import use_openblas
 use_openblas()  # as the server does, before MLX is imported
 
 import mlx.core as mx
-from multiturn import RESULTS, Call, running, send, system_prompt
+from envelope import write_result
+from harness import Call, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ours-at", help="also run our server from this checkout, side by side")
     args = ap.parse_args()
+    started = time.time()
     from mlx_lm import load
 
     from mlx_cache_server.runtime import cpu_activations, cpu_attention
@@ -148,7 +149,7 @@ def main() -> None:
         for i, n in enumerate(int(x) for x in args.new.split(",")):
             rows.append(measure_size(model, urls, n, args.repeat, flip=i % 2 == 1))
             print(rows[-1], flush=True)
-            (RESULTS / "ttft_floor.json").write_text(json.dumps(rows, indent=2))
+            write_result("ttft_floor.json", args, started, rows)  # after each size: kept so far
 
 
 if __name__ == "__main__":

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
+import time
 
-from multiturn import RESULTS, Call, question, running, send, system_prompt
+from envelope import write_result
+from harness import Call, question, running, send, system_prompt
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--against", default="peer", help="peer, or ours@PATH (another checkout)")
     ap.add_argument("--out", default="warm_paired.json", help="file name in bench/results")
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     peer_model = model if args.against == "peer" else "bench"
     with (
@@ -97,13 +99,10 @@ def main() -> None:
             p["ours"] / p["peer"] for p in pairs if p["kind"] != "turn"
         ),
         "same_replies": all(p["same_reply"] for p in pairs),
-        "pairs": pairs,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / args.out).write_text(json.dumps(report, indent=2))
+    write_result(args.out, args, started, report, raw={"pairs": pairs})
     for key, value in report.items():
-        if key != "pairs":
-            print(f"{key:>24}: {value}")
+        print(f"{key:>24}: {value}")
 
 
 if __name__ == "__main__":

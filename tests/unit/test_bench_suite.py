@@ -19,12 +19,21 @@ def suite():
     return module
 
 
+# What the workloads share: servers and clients, the result envelope, multiturn.py's plots.
+LIBRARY = {"__main__.py", "harness.py", "envelope.py", "plots.py"}
+
+
 def test_every_workload_has_its_script_and_every_script_a_workload():
     workloads = suite().WORKLOADS
     scripts = {w.script for w in workloads.values()}
     assert all((BENCH / s).is_file() for s in scripts)
-    # multiturn.py's helpers are shared by the others; no script runs outside the suite.
-    assert {p.name for p in BENCH.glob("*.py")} - {"__main__.py"} == scripts
+    # No script runs outside the suite.
+    assert {p.name for p in BENCH.glob("*.py")} - LIBRARY == scripts
+
+
+def test_every_workload_answers_one_of_the_questions():
+    module = suite()
+    assert {w.question for w in module.WORKLOADS.values()} == set(module.QUESTIONS)
 
 
 def test_results_hold_each_workloads_file_and_the_embedded_plots_only():

@@ -176,7 +176,7 @@ DEEP = textwrap.dedent(
     """
     import os, sys, threading, llguidance
     from mlx_cache_server.engine.constraint import on_deep_stack
-    n = 6000  # a chain past what an 8 MiB stack holds (bench/schema_bounds.py)
+    n = 6000  # a chain past what an 8 MiB stack holds (tools/schema_bounds.py)
     defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
     defs[f"d{n}"] = {"type": "string"}
     grammar = llguidance.LLMatcher.grammar_from_json_schema({"$defs": defs, "$ref": "#/$defs/d0"})

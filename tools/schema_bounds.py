@@ -9,7 +9,7 @@ each level takes, what the deepest schema the server admits
 leaves. Also times the server's whole check and compile of the largest admitted
 schemas. No server is started.
 
-    python bench/schema_bounds.py [--stack-mib 8]
+    python tools/schema_bounds.py [--stack-mib 8]   # writes tools/schema_bounds.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "tools"
 
 
 def chain(n: int) -> dict:

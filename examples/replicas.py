@@ -14,14 +14,13 @@ Reported: reuse (cached / prompt tokens), the share of follow-up turns whose pre
 was cached, each replica's share of requests, TTFT medians and completion tokens/s over the
 run's wall time.
 
-    python bench/replicas.py [--convs 32] [--turns 3] [--setups one,cache_aware,...]
+    python examples/replicas.py [--convs 32] [--turns 3] [--setups one,cache_aware,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shutil
 import statistics
@@ -33,8 +32,16 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
-from multiturn import (
-    RESULTS,
+from openai import AsyncOpenAI
+
+from mlx_cache_server.models.default_model import default_model_dir
+
+# The servers, clients and result envelope of the benchmark suite (bench/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+RESULTS = Path(__file__).resolve().parent / "results"
+
+from envelope import write_result  # noqa: E402
+from harness import (  # noqa: E402
     Call,
     free_port,
     question,
@@ -44,9 +51,6 @@ from multiturn import (
     turn_hits,
     wait_ready,
 )  # fmt: skip
-from openai import AsyncOpenAI
-
-from mlx_cache_server.models.default_model import default_model_dir
 
 HAPROXY = (Path(__file__).parents[1] / "configs" / "haproxy.cfg").read_text()
 
@@ -133,6 +137,7 @@ def main() -> None:
         "prompt to one replica)",
     )
     args = ap.parse_args()
+    started = time.time()
     model = str(default_model_dir())
     results = {}
     for setup in args.setups.split(","):
@@ -168,9 +173,8 @@ def main() -> None:
             f"{r['cold_ttft_median']:.2f} s, {r['completion_tokens_per_s']:.1f} tokens/s",
             flush=True,
         )
-        RESULTS.mkdir(exist_ok=True)  # after each setup: a later one's failure keeps these
-        out = json.dumps({"args": vars(args), **results}, indent=2)
-        (RESULTS / "replicas.json").write_text(out + "\n")
+        # After each setup: a later one's failure keeps these.
+        write_result("replicas.json", args, started, results, folder=RESULTS)
     if "one" in results:
         for setup, r in results.items():
             print(f"{setup}: reuse {r['reuse'] / results['one']['reuse']:.3f}x one server's")

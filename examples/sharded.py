@@ -24,7 +24,7 @@ Workload, greedy, streamed through the openai SDK:
               tokens/s of each reply after its first token
   concurrent  --streams requests at once: their completion tokens/s together
 
-    python bench/sharded.py [--setups ours-1,ours-2,ours-2p,peer-1,peer-2,peer-2p] [--convs 3]
+    python examples/sharded.py [--setups ours-1,ours-2,ours-2p,peer-1,peer-2,peer-2p] [--convs 3]
 """
 
 from __future__ import annotations
@@ -41,8 +41,16 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from multiturn import (
-    RESULTS,
+from openai import AsyncOpenAI
+
+from mlx_cache_server.models.default_model import default_model_dir
+
+# The servers, clients and result envelope of the benchmark suite (bench/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+RESULTS = Path(__file__).resolve().parent / "results"
+
+from envelope import write_result  # noqa: E402
+from harness import (  # noqa: E402
     Call,
     free_port,
     peer_env,
@@ -51,9 +59,6 @@ from multiturn import (
     system_prompt,
     wait_ready,
 )
-from openai import AsyncOpenAI
-
-from mlx_cache_server.models.default_model import default_model_dir
 
 
 @contextmanager
@@ -187,8 +192,8 @@ def main() -> None:
     p.add_argument("--words", type=int, default=300, help="of the shared system prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--out", type=Path, default=RESULTS / "sharded.json")
     args = p.parse_args()
+    began = time.time()
     model = str(bench_model(Path(tempfile.gettempdir()) / "mlx-cache-server-bench-qwen2"))
     results = {}
     for setup in args.setups.split(","):
@@ -197,9 +202,9 @@ def main() -> None:
     base = results.get("ours-1")
     for r in results.values():
         r["replies_equal_ours_1"] = base is not None and r["replies"] == base["replies"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                    "results": results}, indent=1))  # fmt: skip
+    summary = {s: {k: v for k, v in r.items() if k != "replies"} for s, r in results.items()}
+    write_result("sharded.json", args, began, summary, folder=RESULTS,
+                 raw={s: r["replies"] for s, r in results.items()})  # fmt: skip
     keys = ["first_turn_ttft_median_s", "later_turn_ttft_median_s", "decode_tokens_per_s_median",
             "step_ms_median", "concurrent_tokens_per_s", "replies_equal_ours_1"]  # fmt: skip
     print(f"{'setup':8}" + "".join(f"{k[:24]:>26}" for k in keys))
