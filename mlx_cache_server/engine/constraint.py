@@ -31,7 +31,7 @@ from .events import GrammarFailed
 
 T = TypeVar("T")
 # A thread's stack is reserved address space, committed only as it is used, so a large
-# one costs nothing until a deep grammar needs it. bench/schema_bounds.py measures what
+# one costs nothing until a deep grammar needs it. tools/schema_bounds.py measures what
 # the deepest schema `serving.schema_bounds` admits takes: a small fraction of this.
 DEEP_STACK = 64 * 1024**2
 _stack_size = threading.Lock()  # threading.stack_size is process-wide: set, start, reset

@@ -37,7 +37,7 @@ from urllib.parse import unquote
 from .api_errors import APIError
 from .schema_costs import check_choices, check_literals
 
-# Bounds, in schema levels and objects. bench/schema_bounds.py bisects the levels each
+# Bounds, in schema levels and objects. tools/schema_bounds.py bisects the levels each
 # construct takes to overflow a default 8 MiB stack; these stay far below the least of them.
 MAX_DEPTH = 128  # schema levels along any path, `$ref`s followed
 MAX_NESTING = 120  # JSON levels of the document: llguidance reads at most 128, its wrapper takes 5
