@@ -124,19 +124,19 @@ def render_marked(
     kwargs: dict[str, Any] = {**(template_kwargs or {}), "add_generation_prompt": True}
     if tools.tools:
         kwargs["tools"] = tools.tools
-    tokens = apply_template(engine.tokenizer, messages, kwargs)
+    # With images, the template's text: their markers are expanded before tokenizing.
+    rendered = apply_template(engine.tokenizer, messages, kwargs, tokenize=not images)
     # A forced call in the model's own markup: the prompt is the template's write-back
     # of a call turn, its opening marker already written (`call_markup.prompt_text`).
     written = forced_prompt(engine.tokenizer, messages, kwargs, tools)
     tokenize = None
     if images:
         tokenize = image_tokens(engine, images, holds)
-        text = engine.tokenizer.apply_chat_template(messages, **kwargs, tokenize=False)
-        tokens = tokenize(written if written is not None else text + tools.prefix)
+        tokens = tokenize(written if written is not None else rendered + tools.prefix)
     elif written is not None:
         tokens = engine.tokenizer.encode(written, add_special_tokens=False)
     else:
-        tokens += engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
+        tokens = rendered + engine.tokenizer.encode(tools.prefix, add_special_tokens=False)
     marks = ()
     if engine.cache is not None and engine.cache_mode == "checkpointed":
         marks = message_ends(engine.tokenizer, messages, kwargs, tokens, tokenize)
@@ -172,9 +172,11 @@ def templated_history(tokenizer: Any, messages: list[dict[str, Any]]) -> list[di
 
 
 def apply_template(
-    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any]
-) -> list[int]:
-    """The messages through the template; a 400 only where the client's input is at fault.
+    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], tokenize: bool = True
+) -> Any:
+    """The messages through the template, as tokens (or, `tokenize` off, its text: a
+    vision model's prompt, whose image markers are expanded first); a 400 only where the
+    client's input is at fault.
 
     A template's own `raise_exception` states a rule of the model's (roles that
     alternate, say): the client broke it, and the 400 says so in the template's words.
@@ -184,7 +186,7 @@ def apply_template(
     no JSON object, for a template that iterates them), or, as a last resort, the
     history is rendered in the server's own tool protocol, and the reason logged."""
     try:
-        return list(tokenizer.apply_chat_template(messages, **kwargs))
+        return _applied(tokenizer, messages, kwargs, tokenize)
     except TemplateError as e:
         if type(e) is TemplateError:  # raise_exception: the template's own rule
             raise APIError(
@@ -195,7 +197,7 @@ def apply_template(
         error = e
     if "tools" not in kwargs:
         try:
-            tokens = list(tokenizer.apply_chat_template(messages, **kwargs, tools=[]))
+            tokens = _applied(tokenizer, messages, {**kwargs, "tools": []}, tokenize)
         except Exception:
             pass
         else:
@@ -219,12 +221,20 @@ def apply_template(
     )  # fmt: skip
     plain = prompted_tools.history(messages, [])
     try:
-        return list(tokenizer.apply_chat_template(plain, **kwargs))
+        return _applied(tokenizer, plain, kwargs, tokenize)
     except Exception as e:
         raise APIError(
             400, f"This model's chat template cannot render these messages: {e}",
             param="messages",
         ) from e  # fmt: skip
+
+
+def _applied(
+    tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], tokenize: bool
+) -> list[int] | str:
+    """The messages through the template: its tokens, or (`tokenize` off) its text."""
+    out = tokenizer.apply_chat_template(messages, **kwargs, tokenize=tokenize)
+    return list(out) if tokenize else out
 
 
 def _non_object_arguments(messages: list[dict[str, Any]]) -> tuple[str, Any] | None:
