@@ -21,6 +21,20 @@ WEATHER_PARAMETERS = {
 }
 
 
+def greedy_alone(model: Any, prompt: list[int], k: int = 5) -> list[int]:
+    """k greedy tokens after `prompt`, the model alone over a fresh cache: what a batch
+    must give each of its sequences."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache, out = make_prompt_cache(model), []
+    logits = model(mx.array(prompt)[None], cache=cache)
+    for _ in range(k):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([out[-1:]]), cache=cache)
+    return out
+
+
 def wait_until(condition: Callable[[], Any], seconds: float = 60) -> None:
     """Poll `condition` until it holds; fail the test after `seconds`."""
     deadline = time.monotonic() + seconds

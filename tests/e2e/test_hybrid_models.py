@@ -15,6 +15,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_cache_server.prompt_cache.radix import common_prefix_length
+from tests.helpers import greedy_alone
 from tests.hybrid_models import ARCHS, build_hybrid_model
 from tests.live import serving
 
@@ -217,21 +218,14 @@ def test_a_batch_of_windows_after_one_token_steps_matches_a_lone_run(tmp_path):
     wrong after such a step, until the adapter's step fixed it (`mlx_adapter.windows`)."""
     import random
 
-    import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_cache_server.engine.generator import MixedGenerator
 
     model, _ = load(str(build_hybrid_model(tmp_path / "gemma3_text", "gemma3_text")))
 
-    def alone(prompt, k=5):
-        cache, out = make_prompt_cache(model), []
-        logits = model(mx.array(prompt)[None], cache=cache)
-        for _ in range(k):
-            out.append(int(mx.argmax(logits[0, -1]).item()))
-            logits = model(mx.array([out[-1:]]), cache=cache)
-        return out
+    def alone(prompt: list[int], k: int = 5) -> list[int]:
+        return greedy_alone(model, prompt, k)
 
     rng = random.Random(5)
     b, c = [rng.randint(1, 40) for _ in range(37)], [rng.randint(1, 40) for _ in range(3)]

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_cache_server.engine.draft_model import BEHIND, FEED, DraftBatch, DraftModel
+from tests.helpers import greedy_alone
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +19,7 @@ def model(tiny_model_dir):
 
 def greedy(model, sequence: list[int], k: int) -> list[int]:
     """k greedy tokens after `sequence`, the draft model alone over a fresh cache."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(sequence)[None], cache=cache)
-    out = []
-    for _ in range(k):
-        out.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array(out[-1:])[None], cache=cache)
-    return out
+    return greedy_alone(model, sequence, k)
 
 
 def test_a_batchs_drafts_are_each_sequences_own_through_joins_leaves_and_rejections(model):

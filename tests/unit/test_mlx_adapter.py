@@ -25,13 +25,13 @@ from mlx_lm.models.cache import (
     BatchRotatingKVCache,
     KVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
 
 from mlx_cache_server.mlx_adapter import hub, streams, windows
 from mlx_cache_server.mlx_adapter.batch_cache import batch_over, filled
 from mlx_cache_server.mlx_adapter.stepping import StepGenerator
 from tests.fakes import kv_cache
+from tests.helpers import greedy_alone
 from tests.unit.test_mixed_generator import script
 
 
@@ -222,12 +222,7 @@ def test_our_step_gives_a_batch_of_windows_the_tokens_of_a_lone_run(tmp_path):
     model, _ = load(str(build_hybrid_model(tmp_path / "gemma3_text", "gemma3_text")))
 
     def alone(prompt: list[int], k: int = 5) -> list[int]:
-        cache, out = make_prompt_cache(model), []
-        logits = model(mx.array(prompt)[None], cache=cache)
-        for _ in range(k):
-            out.append(int(mx.argmax(logits[0, -1]).item()))
-            logits = model(mx.array([out[-1:]]), cache=cache)
-        return out
+        return greedy_alone(model, prompt, k)
 
     rng = random.Random(5)
     b, c = [rng.randint(1, 40) for _ in range(37)], [rng.randint(1, 40) for _ in range(3)]
