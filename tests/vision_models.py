@@ -40,6 +40,7 @@ def build_gemma3_vision(
     positions: int = 4,
     hidden: int = 64,
     layers: int = 2,
+    tied: bool = False,
 ) -> Path:
     """Write the model folder to `path` (created) and return it. The sizes default to the
     tests' tiny model; a benchmark asks for a larger one (`positions` per image, a square)."""
@@ -81,8 +82,12 @@ def build_gemma3_vision(
     model_config.text_config = gemma3.TextConfig.from_dict(text)
     model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
     model = gemma3.Model(model_config)
-    # Larger than default init so logits are far from ties and outputs vary.
-    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    # Larger than default init so logits are far from ties and outputs vary. An output head
+    # of its own, unlike Gemma 3's checkpoints (`tied`): a tiny random model whose head is
+    # its embedding repeats its last token. mlx-lm reads the head; mlx-vlm 0.7 ties it all
+    # the same, so a test comparing the two asks for `tied`.
+    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())
+               if not (tied and k == "language_model.lm_head.weight")}  # fmt: skip
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
     (path / "preprocessor_config.json").write_text(json.dumps({
@@ -94,5 +99,79 @@ def build_gemma3_vision(
     }))  # fmt: skip
     (path / "processor_config.json").write_text(
         json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": positions})
+    )
+    return path
+
+
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen2_5_vl_vision(
+    path: Path, seed: int = 0, patch_size: int = 4, hidden: int = 64, layers: int = 2
+) -> Path:
+    """A tiny random Qwen2.5-VL: mlx-lm's `qwen2` language model with M-RoPE positions
+    (a quarter of each head's rotary frequencies for time, the rest for height and width
+    in halves) and a 2-block
+    vision tower on images cut in `patch_size` patches, 2x2 patches merged into one
+    position, so an image of 32x48 pixels takes 4x6 positions. Its processor resizes an
+    image to a multiple of 8 pixels a side, between 16x16 and 64x64."""
+    from mlx_vlm.models import qwen2_5_vl
+
+    path.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    tokenizer = build_tokenizer(QWEN_SPECIAL)
+    tokenizer.save(str(path / "tokenizer.json"))
+    ids = {t: tokenizer.token_to_id(t) for t in QWEN_SPECIAL}
+    vocab = tokenizer.get_vocab_size()
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
+        "chat_template": QWEN_TEMPLATE, "model_max_length": 8192,
+    }))  # fmt: skip
+    heads = 4
+    half = hidden // heads // 2  # each head's rotary frequencies
+    t, h = half // 4, (half - half // 4) // 2
+    vision = {
+        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "out_hidden_size": hidden, "num_heads": 2, "patch_size": patch_size,
+        "spatial_patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "window_size": 4 * patch_size, "fullatt_block_indexes": [1], "in_channels": 3,
+    }  # fmt: skip
+    config = {
+        "model_type": "qwen2_5_vl", "hidden_size": hidden, "num_hidden_layers": layers,
+        "intermediate_size": 2 * hidden, "num_attention_heads": heads,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+        "rope_theta": 1000000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+        "rope_scaling": {"type": "mrope", "mrope_section": [t, h, half - t - h]},
+        "vision_config": vision, "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"], "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"], "vision_token_id": ids["<|vision_pad|>"],
+        "eos_token_id": [ids["<|im_end|>"]], "bos_token_id": None,
+    }  # fmt: skip
+    model_config = qwen2_5_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = qwen2_5_vl.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = qwen2_5_vl.VisionConfig.from_dict(vision)
+    model = qwen2_5_vl.Model(model_config)
+    weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch_size,
+        "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16 * 16,
+        "max_pixels": 64 * 64, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True, "processor_class": "Qwen2_5_VLProcessor",
+    }))  # fmt: skip
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen2_5_VLProcessor"})
     )
     return path

@@ -34,6 +34,7 @@ from .chunking import StepCosts, chunk_size
 from .entering import Entering
 from .events import Finished, Started
 from .exits import Exits, State
+from .positions import PLAIN
 from .prompts import PromptSteps
 from .request import Request, with_followers
 from .running import Running
@@ -78,6 +79,7 @@ class Batch:
             self.running, model, outlet.tokenizer.eos_token_ids,
             prefill_step_size=settings.prefill_step_size, cached=outlet.cache is not None,
             exits=self.exits, release=self.entering.release, fail_start=self.entering.fail_start,
+            positions=settings.generator.get("positions", PLAIN),
         )  # fmt: skip
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from .batch import Batch
 from .constraint import GrammarTokenizer
 from .draft_model import DraftModel
 from .events import EngineStats, Event, Failed, Finished, SamplingParams
+from .positions import PLAIN
 from .quantized_kv import QuantizedKVRunner
 from .replies import BUDGET, RecentReplies
 from .request import Request
@@ -95,6 +96,8 @@ class Engine:
             "stop_tokens": [[t] for t in sorted(tokenizer.eos_token_ids)],
             "speculation": speculation,
             "draft": draft,
+            # Where a pass's tokens stand: a vision model's images may move them.
+            "positions": vision.positions if vision is not None else PLAIN,
         }
         self._disk_reads = ThreadPoolExecutor(2, thread_name_prefix="disk-read")
         self.in_flight = 0  # requests the server admitted and that have not ended (`Slot`)

@@ -37,6 +37,7 @@ from ..runtime import kernel_block
 from ..runtime.forward_together import forward_together, logits, supports
 from .draft_model import DraftBatch, DraftModel
 from .drafting import MAX_DRAFT, Pace, PromptLookup
+from .positions import PLAIN, Positions
 from .speculative import (
     MAX_ROWS,
     PADDED_ROWS,
@@ -57,10 +58,15 @@ class MixedGenerator(StepGenerator):
         model: Any,
         speculation: bool = False,
         draft: DraftModel | None = None,
+        positions: Positions = PLAIN,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, **kwargs)
-        self.together = supports(model)  # off: every step is mlx-lm's own
+        # Where each pass's tokens stand (`engine.positions`), and each stream's shift.
+        self.positions, self._shifts = positions, {}
+        # Off: every step is mlx-lm's own. `forward_together` covers text models only, whose
+        # positions are plain.
+        self.together = supports(model) and positions is PLAIN
         self.speculation, self.draft_model = speculation, draft
         self._skips = kernel_block.skips_fillers(model)  # a pass's fillers cost nothing
         # Each stream's lookup index, its pace, and its pace for the draft model's drafts.
@@ -87,6 +93,20 @@ class MixedGenerator(StepGenerator):
             self._chunk, self._step_drafts = None, []
 
     def decode(self, streams: GenerationBatch) -> list[GenerationBatch.Response]:
+        with self.positions.decoding(self._stream_shifts(streams)):
+            return self._decode(streams)
+
+    def _stream_shifts(self, streams: GenerationBatch) -> list[int]:
+        """Each stream's shift (`engine.positions`): its sequence's, worked out once."""
+        shifts, known = [], self._shifts
+        self._shifts = {}
+        for uid, tokens in zip(streams.uids, streams.tokens, strict=True):
+            shift = known.get(uid)
+            self._shifts[uid] = shift if shift is not None else self.positions.shift(tokens)
+            shifts.append(self._shifts[uid])
+        return shifts
+
+    def _decode(self, streams: GenerationBatch) -> list[GenerationBatch.Response]:
         if self._chunk is not None:
             together = _Together(self.model, self._chunk, self.prompt_batch.prompt_cache)
             return decode_through(streams, together)
@@ -96,8 +116,14 @@ class MixedGenerator(StepGenerator):
 
     def prefill(self, batch: PromptProcessingBatch, prompts: list[list[int]]) -> None:
         if self._chunk is None:
-            return super().prefill(batch, prompts)
+            with self.positions.prefilling(list(zip(batch.tokens, prompts, strict=True))):
+                return super().prefill(batch, prompts)
         _prefilled(batch, self._chunk, prompts)  # the streams' pass ran it
+
+    def join(self, batch: PromptProcessingBatch, last: list[list[int]]) -> GenerationBatch:
+        rows = list(zip(batch.tokens, last, strict=True))
+        with self.positions.prefilling(rows):
+            return super().join(batch, last)
 
     def _drafts(self) -> list[list[int]]:
         """A draft for each stream for the next step: its prompt-lookup guess, as long as its

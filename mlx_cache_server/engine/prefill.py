@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..mlx_adapter.last_logits import last_logits
 from ..runtime import cpu_logprobs
+from .positions import PLAIN, Positions
 
 
 def prefill_alone(
@@ -32,19 +33,23 @@ def prefill_alone(
     processors: list[Callable],
     checkpoints: Sequence[int] = (),
     at_checkpoint: Callable[[int], None] | None = None,
+    positions: Positions = PLAIN,
 ) -> tuple[int, mx.array]:
     """Run `tokens[n_cached:]` into `cache` in chunks of `step`; the first token and its
     logprobs (one row). A chunk also ends at each of `checkpoints`, where
-    `at_checkpoint(position)` is called with the cache holding that many tokens."""
+    `at_checkpoint(position)` is called with the cache holding that many tokens. Each pass
+    runs where `positions` says its tokens stand."""
     marks = {p for p in checkpoints if n_cached < p < len(tokens)}
     bounds = sorted({*range(n_cached, len(tokens), step), *marks})
     for at, end in zip(bounds[:-1], bounds[1:], strict=True):
         # Evaluated one by one: activations stay one step's size.
-        model(mx.array(tokens[at:end])[None], cache=cache)
+        with positions.prefilling([(tokens[:at], tokens[at:end])]):
+            model(mx.array(tokens[at:end])[None], cache=cache)
         mx.eval([c.state for c in cache])
         if end in marks and at_checkpoint is not None:
             at_checkpoint(end)
-    logits = last_logits(model, mx.array(tokens[bounds[-1] :])[None], cache)
+    with positions.prefilling([(tokens[: bounds[-1]], tokens[bounds[-1] :])]):
+        logits = last_logits(model, mx.array(tokens[bounds[-1] :])[None], cache)
     token, logprobs = sample(logits, tokens, sampler, processors)
     return int(token.item()), logprobs[0]
 

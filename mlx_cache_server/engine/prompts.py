@@ -23,6 +23,7 @@ from mlx_cache_server.prompt_cache import as_fresh
 
 from .exits import Exits, State
 from .placement import MAIN
+from .positions import PLAIN, Positions
 from .prefill import prefill_alone
 from .request import Request
 
@@ -44,8 +45,10 @@ class PromptSteps:
         exits: Exits,
         release: Callable[[Request], None],
         fail_start: Callable[[Request], None],
+        positions: Positions = PLAIN,
     ) -> None:
-        """`cached`: whether the engine has a prompt cache to store prompts in."""
+        """`cached`: whether the engine has a prompt cache to store prompts in; `positions`:
+        where the model's passes stand (`engine.positions`)."""
         self.running = running
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -53,6 +56,7 @@ class PromptSteps:
         self.cached = cached
         self.exits = exits
         self._release, self._fail_start = release, fail_start
+        self.positions = positions
 
     def start_alone(self, request: Request, cache: list, n: int, sampler, processors) -> float:
         """Prefill the prompt after its first `n` tokens in `cache` and sample its first
@@ -66,7 +70,7 @@ class PromptSteps:
         with mx.stream(self.running.gen.stream):
             first, logprobs = prefill_alone(
                 self.model, tokens, cache, n, self.prefill_step_size, sampler, processors,
-                request.params.checkpoints, checkpoint,
+                request.params.checkpoints, checkpoint, self.positions,
             )  # fmt: skip
         seconds = time.perf_counter() - start
         if request.fault is not None:

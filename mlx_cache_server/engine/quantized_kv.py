@@ -37,6 +37,7 @@ from ..mlx_adapter.last_logits import last_logits
 from .chunking import StepCosts, chunk_size
 from .events import Finished, Started, log_fault, sampling_failed
 from .exits import State, deliver, store
+from .positions import PLAIN
 from .prefill import sample
 from .request import Request
 from .text import StopMatcher
@@ -93,6 +94,7 @@ class _Run:
     next_token: int | None = None  # sampled, not yet run through the model
     sampler: Any = None
     processors: list[Callable] = field(default_factory=list)
+    shift: int | None = None  # where its decoded tokens stand (`engine.positions`), once known
 
     @property
     def prefilling(self) -> bool:
@@ -125,6 +127,8 @@ class QuantizedKVRunner:
         self.cost = None
         self.now = 0.0
         self._uids = itertools.count()
+        # Where the model's passes stand (`engine.positions`).
+        self.positions = settings.generator.get("positions", PLAIN)
 
     def close(self) -> None:
         self.runs.clear()
@@ -196,13 +200,15 @@ class QuantizedKVRunner:
         if mark is not None:
             chunk = min(chunk, mark - at)
         if len(tokens) - at > chunk:
-            self.model(mx.array(tokens[at : at + chunk])[None], cache=run.cache)
+            with self.positions.prefilling([(tokens[:at], tokens[at : at + chunk])]):
+                self.model(mx.array(tokens[at : at + chunk])[None], cache=run.cache)
             mx.eval([c.state for c in run.cache])
             run.fed = tokens[: at + chunk]
             if at + chunk == mark:
                 store(self.outlet, request, (run.cache, run.fed))
             return chunk
-        logits = last_logits(self.model, mx.array(tokens[at:])[None], run.cache)
+        with self.positions.prefilling([(tokens[:at], tokens[at:])]):
+            logits = last_logits(self.model, mx.array(tokens[at:])[None], run.cache)
         run.fed = list(tokens)
         request.prefilling = False
         # Cached now, not only when it ends: a request waiting behind this one with the
@@ -228,7 +234,10 @@ class QuantizedKVRunner:
 
     def _decode(self, run: _Run) -> None:
         token = run.next_token
-        logits = self.model(mx.array([[token]]), cache=run.cache)[:, -1, :]
+        if run.shift is None:
+            run.shift = self.positions.shift(run.fed)
+        with self.positions.decoding([run.shift]):
+            logits = self.model(mx.array([[token]]), cache=run.cache)[:, -1, :]
         run.fed.append(token)
         self._sample(run, logits)
 

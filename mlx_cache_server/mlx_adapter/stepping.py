@@ -3,13 +3,14 @@
 mlx-lm's step (`BatchGenerator._next`, mlx-lm 0.32) decodes the streams, admits waiting
 prompts to the prompt batch, moves the prompts down to their last token into the
 streams, then prefills a chunk of every other prompt. `StepGenerator.step` is that step,
-written here, with its two model calls made methods a subclass overrides: `decode` (the
-streams' step, by default their own `next`) and `prefill` (a chunk of each prompt, by
+written here, with its model calls made methods a subclass overrides: `decode` (the
+streams' step, by default their own `next`), `prefill` (a chunk of each prompt, by
 default the prompt batch's own `prompt`, its rotated windows put in order first:
-`windows`). The state a subclass plans a step from is read through public views
-(`streams`, `prompt_batch`, `waiting`, `prefilling`), never set through them.
+`windows`) and `join` (prompts made streams, which runs their first step: mlx-lm's
+streams decode a step ahead). The state a subclass plans a step from is read through
+public views (`streams`, `prompt_batch`, `waiting`, `prefilling`), never set through them.
 
-Invariants: with `decode` and `prefill` not overridden, a step gives the responses
+Invariants: with `decode`, `prefill` and `join` not overridden, a step gives the responses
 mlx-lm's own step gives, in the same order, and leaves the same state (tokens, caches,
 counters); `step` is what `next` and `next_generated` run.
 """
@@ -68,6 +69,11 @@ class StepGenerator(BatchGenerator):
             in_order(batch.prompt_cache)  # mlx-lm 0.32's mask after a rotation: `windows`
         batch.prompt(prompts)
 
+    def join(self, batch: PromptProcessingBatch, last: list[list[int]]) -> GenerationBatch:
+        """The prompts of `batch` made streams, each given its `last` token: mlx-lm runs
+        that token's pass as it makes them (its streams decode a step ahead)."""
+        return batch.generate(last)
+
     # ------------------------------------------------------------------------- the step
 
     def _next(self) -> tuple[list[Any], list[Any]]:
@@ -118,7 +124,7 @@ class StepGenerator(BatchGenerator):
         self._currently_processing = [
             s for i, s in enumerate(self._currently_processing) if i not in ending
         ]
-        joining = self._prompt_batch.split(ending).generate(last)
+        joining = self.join(self._prompt_batch.split(ending), last)
         out = [PromptProcessingBatch.Response(uid, p, True, True)
                for uid, p in zip(joining.uids, progress, strict=True)]  # fmt: skip
         self._generation_batch.extend(joining)

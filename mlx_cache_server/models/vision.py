@@ -53,6 +53,15 @@ class Image:
     first: int  # its first id
     count: int  # its positions
     holds: int = 0  # requests holding it (`ImageIds.register`, `release`)
+    # The (time, height, width) grid its positions take in a model whose images have 2-D
+    # positions (`vision_positions`); None: one run of positions, as text has.
+    grid: tuple[int, int, int] | None = None
+
+    @property
+    def span(self) -> int:
+        """How far it moves the positions of what follows it: its positions, or where they
+        form a grid, the grid's longest side."""
+        return max(self.grid) if self.grid is not None else self.count
 
 
 class ImageIds:
@@ -96,10 +105,16 @@ class ImageIds:
             self._log = open(path, "a")  # noqa: SIM115 (held until the process ends)
             self._reserved = self._next
 
-    def register(self, pixels: np.ndarray, count: int, digest: bytes | None = None) -> Image:
-        """The image of these pixels (`digest`: theirs, if known), with `count` positions,
-        held for the caller until it calls `release`: the same ids as before for the same
-        pixels, new ones otherwise."""
+    def register(
+        self,
+        pixels: np.ndarray,
+        count: int,
+        digest: bytes | None = None,
+        grid: tuple[int, int, int] | None = None,
+    ) -> Image:
+        """The image of these pixels (`digest`: theirs, if known), with `count` positions
+        (in `grid`, where they form one), held for the caller until it calls `release`: the
+        same ids as before for the same pixels, new ones otherwise."""
         digest = digest or pixel_digest(pixels)
         with self._lock:
             image = self._by_digest.get(digest)
@@ -109,6 +124,7 @@ class ImageIds:
                 image.holds += 1
                 self._by_digest.move_to_end(digest)
             image.pixels = pixels if image.pixels is None else image.pixels
+            image.grid = grid  # its pixels' own: an image recalled from disk has none yet
             return image
 
     def release(self, images: list[Image]) -> None:

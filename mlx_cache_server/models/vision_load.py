@@ -17,16 +17,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
-from .vision import Features, Holds, Image, ImageEmbedding, ImageIds, pixel_digest
+from ..engine.positions import Positions
+from .vision import Features, Holds, ImageEmbedding, ImageIds
+from .vision_families import FAMILIES, Prepared
 
 log = logging.getLogger("mlx_cache_server")
 
-# Families whose image is one run of placeholder positions, embedded by mlx-vlm's
-# `get_input_embeddings` and then read by a language model with plain positions.
-FAMILIES = {"gemma3"}
 FEATURE_BYTES = 256 * 1024**2  # recent images' features kept (beside the KV cache)
 # Written before each image's part in the messages rendered (`serving.template`), so that
 # the image's own marker is told from the same text elsewhere: a private-use character.
@@ -43,14 +41,6 @@ class ImageLimits:
     fetch_urls: bool = False  # http(s) image URLs fetched by the server
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """An image of a request as the processor prepared it, and the digest of its pixels."""
-
-    pixels: np.ndarray
-    digest: bytes
-
-
 @dataclass
 class Vision:
     """What a served vision model needs to take images: its processor, its placeholder
@@ -58,21 +48,21 @@ class Vision:
     features, and the operator's limits."""
 
     processor: Any
-    marker: str  # what the chat template writes for an image
-    expansion: str  # what the processor puts in its place: the image's positions and frame
-    image_token: int
-    frame: tuple[int | None, int | None]  # the tokens just before and after an image's run
+    family: Any  # `vision_families`: how its images are prepared, written and encoded
     ids: ImageIds
     features: Features
     limits: ImageLimits
     encoder: str  # the library that encodes its images, and its release
 
+    @property
+    def positions(self) -> Positions:
+        """Where a pass's tokens stand for the language model (`engine.positions`)."""
+        return self.family.positions
+
     def prepare(self, images: list[Any]) -> list[Prepared]:
         """`images` (PIL images) through the processor, once for all the renderings of a
         request (its prompt, and the heads `message_ends` renders)."""
-        out = self.processor.image_processor(images, return_tensors="np")["pixel_values"]
-        pixels = np.asarray(out)
-        return [Prepared(p[None], pixel_digest(p[None])) for p in pixels]
+        return self.family.prepare(images)
 
     def tokens(self, text: str, images: list[Prepared], holds: Holds) -> list[int]:
         """The prompt's tokens for `text` (the chat template's output, `IMAGE` before each
@@ -87,18 +77,18 @@ class Vision:
         pieces = text.split(IMAGE)
         if len(pieces) != len(images) + 1:
             raise ValueError("the text holds a character this server uses to mark images")
-        out = [pieces[0]]
-        for piece in pieces[1:]:
-            at = piece.find(self.marker)
+        marker, out = self.family.marker, [pieces[0]]
+        for piece, prepared in zip(pieces[1:], images, strict=True):
+            at = piece.find(marker)
             if at < 0:
                 raise ValueError("the chat template wrote no image marker for an image")
-            out.append(piece[:at] + self.expansion + piece[at + len(self.marker) :])
+            out.append(piece[:at] + prepared.expansion + piece[at + len(marker) :])
         tokens = self.processor.tokenizer.encode("".join(out), add_special_tokens=False)
-        runs = _framed_runs(tokens, self.image_token, self.frame)
-        if len(runs) != len(images):
+        runs = _framed_runs(tokens, self.family.image_token, self.family.frame)
+        if [end - start for start, end in runs] != [p.count for p in images]:
             raise ValueError("the text holds the model's own framed image placeholders")
         for prepared, (start, end) in zip(images, runs, strict=True):
-            image = self.ids.register(prepared.pixels, end - start, prepared.digest)
+            image = self.ids.register(prepared.pixels, end - start, prepared.digest, prepared.grid)
             holds.append(image)
             tokens[start:end] = range(image.first, image.first + image.count)
         return tokens
@@ -123,6 +113,7 @@ def open_vision(
         return None, "it is not a vision model"
     if family not in FAMILIES:
         return None, f"images are not supported for the {family!r} family yet"
+    kind = FAMILIES[family]
     try:
         from mlx_vlm.utils import load_model, load_processor
     except ImportError:
@@ -133,25 +124,13 @@ def open_vision(
     vlm.language_model.model.embed_tokens = text
     mx.eval([v for k, v in tree_flatten(vlm.parameters()) if not k.startswith("language_model")])
     processor = load_processor(folder)
-    image_token = int(vlm.config.image_token_index)
-
-    def encode(image: Image) -> mx.array:
-        ids = mx.array([[image_token] * image.count])
-        mask = mx.ones(ids.shape)
-        return vlm.get_input_embeddings(ids, mx.array(image.pixels), mask=mask).inputs_embeds[0]
-
+    images = kind(vlm, processor)
     ids = ImageIds()
-    owner.embed_tokens = ImageEmbedding(text, ids, Features(encode, FEATURE_BYTES))
-    marker, expansion = processor.boi_token, processor.full_image_sequence  # Gemma 3's
-    framed = processor.tokenizer.encode(expansion, add_special_tokens=False)
-    (start, end), *_ = _runs(framed, image_token)
-    frame = (framed[start - 1] if start else None, framed[end] if end < len(framed) else None)
+    images.open(model, ids)
+    owner.embed_tokens = ImageEmbedding(text, ids, Features(images.encode, FEATURE_BYTES))
     features = owner.embed_tokens.features
-    limits = limits or ImageLimits()
     encoder = f"mlx-vlm {version('mlx-vlm')}"
-    vision = Vision(
-        processor, marker, expansion, image_token, frame, ids, features, limits, encoder
-    )
+    vision = Vision(processor, images, ids, features, limits or ImageLimits(), encoder)
     return vision, ""
 
 

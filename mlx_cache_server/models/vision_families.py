@@ -1,0 +1,141 @@
+"""What differs between vision model families: how an image is prepared, written in the
+prompt, encoded and placed.
+
+Each family is a small class answering the same few questions (`vision_load.Vision`
+asks them, and never the family's name):
+
+- `prepare(images)`: the processor's pixels of each image, its digest, its positions'
+  count and grid, and the text that stands for it in the prompt (`Prepared`);
+- `encode(image)`: the image's features, one row a position, by mlx-vlm's encoder;
+- `marker` and `frame`: what the chat template writes for an image, and the tokens just
+  before and after an image's run in the prompt;
+- `positions`: where the pass's tokens stand (`engine.positions`): plain for Gemma 3,
+  M-RoPE for Qwen2-VL and Qwen2.5-VL (`vision_positions`), installed by `open`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..engine.positions import PLAIN, Positions
+from .vision import Image, ImageIds, pixel_digest
+from .vision_positions import ImagePositions, install_mrope
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An image of a request as the processor prepared it: its pixels and their digest,
+    its positions (in `grid`, where they form one) and the text standing for it."""
+
+    pixels: np.ndarray
+    digest: bytes
+    count: int
+    expansion: str
+    grid: tuple[int, int, int] | None = None
+
+
+class Gemma3Images:
+    """Gemma 3: a fixed run of positions an image, framed by its start and end markers,
+    at plain positions."""
+
+    positions: Positions = PLAIN
+
+    def __init__(self, vlm: Any, processor: Any) -> None:
+        self._vlm, self._processor = vlm, processor
+        self.image_token = int(vlm.config.image_token_index)
+        self.marker = processor.boi_token
+        self._expansion = processor.full_image_sequence
+        framed = processor.tokenizer.encode(self._expansion, add_special_tokens=False)
+        start, end = _only_run(framed, self.image_token)
+        self.frame = (
+            framed[start - 1] if start else None,
+            framed[end] if end < len(framed) else None,
+        )
+        self._count = end - start
+
+    def open(self, model: nn.Module, ids: ImageIds) -> None:
+        """Nothing to change in the language model for its positions."""
+
+    def prepare(self, images: list[Any]) -> list[Prepared]:
+        out = self._processor.image_processor(images, return_tensors="np")["pixel_values"]
+        return [
+            Prepared(p[None], pixel_digest(p[None]), self._count, self._expansion)
+            for p in np.asarray(out)
+        ]
+
+    def encode(self, image: Image) -> mx.array:
+        ids = mx.array([[self.image_token] * image.count])
+        embedded = self._vlm.get_input_embeddings(
+            ids, mx.array(image.pixels), mask=mx.ones(ids.shape)
+        )
+        return embedded.inputs_embeds[0]
+
+
+class QwenImages:
+    """Qwen2-VL and Qwen2.5-VL: an image of any size cut in patches, each square of
+    `merge` x `merge` patches one position, `<|image_pad|>` repeated once a position
+    between `<|vision_start|>` and `<|vision_end|>`, at positions of a grid (M-RoPE)."""
+
+    def __init__(self, vlm: Any, processor: Any) -> None:
+        self._vlm, self._processor = vlm, processor
+        config = vlm.config
+        self.image_token = int(config.image_token_id)
+        self.marker = processor.image_token
+        self.frame = (int(config.vision_start_token_id), int(config.vision_end_token_id))
+        self._merge = int(config.vision_config.spatial_merge_size)
+        scaling = config.text_config.rope_scaling or {}
+        self._sections = scaling.get("mrope_section")
+        self.positions: Positions = PLAIN
+
+    def open(self, model: nn.Module, ids: ImageIds) -> None:
+        """The language model's RoPE made M-RoPE (`vision_positions`)."""
+        if self._sections is None:
+            raise ValueError("the model's rope_scaling gives no mrope_section")
+        positions = ImagePositions(ids)
+        install_mrope(model.layers, positions, self._sections)
+        self.positions = positions
+
+    def prepare(self, images: list[Any]) -> list[Prepared]:
+        out = self._processor.image_processor(images, return_tensors="np")
+        pixels, grids = np.asarray(out["pixel_values"]), np.asarray(out["image_grid_thw"])
+        prepared, at = [], 0
+        for t, h, w in grids.tolist():
+            patches = pixels[at : at + t * h * w]
+            at += t * h * w
+            grid = (t, h // self._merge, w // self._merge)
+            count = grid[0] * grid[1] * grid[2]
+            # The digest is of the patches laid out in their grid: the same patches in
+            # another grid are another image.
+            digest = pixel_digest(patches.reshape(t, h, w, -1))
+            prepared.append(Prepared(patches, digest, count, self.marker * count, grid))
+        return prepared
+
+    def encode(self, image: Image) -> mx.array:
+        if image.grid is None:  # registered by a request, which gives its grid: a bug if not
+            raise ValueError("an image of this prompt has no grid")
+        t, h, w = image.grid
+        grid = mx.array([[t, h * self._merge, w * self._merge]])
+        tower = self._vlm.vision_tower
+        pixels = mx.array(image.pixels).astype(tower.patch_embed.proj.weight.dtype)
+        return tower(pixels, grid, output_hidden_states=False)
+
+
+FAMILIES: dict[str, type] = {
+    "gemma3": Gemma3Images,
+    "qwen2_vl": QwenImages,
+    "qwen2_5_vl": QwenImages,
+}
+
+
+def _only_run(tokens: list[int], token: int) -> tuple[int, int]:
+    """The [start, end) of the first run of `token` in `tokens`."""
+    start = tokens.index(token)
+    end = start
+    while end < len(tokens) and tokens[end] == token:
+        end += 1
+    return start, end
