@@ -114,23 +114,34 @@ QWEN_TEMPLATE = (
 )
 
 
-def build_qwen2_5_vl_vision(
-    path: Path, seed: int = 0, patch_size: int = 4, hidden: int = 64, layers: int = 2
+def build_qwen2_5_vl_vision(path: Path, seed: int = 0, hidden: int = 64) -> Path:
+    """A tiny random Qwen2.5-VL (`build_qwen_vl_vision`)."""
+    return build_qwen_vl_vision(path, "qwen2_5_vl", seed=seed, hidden=hidden)
+
+
+def build_qwen3_vl_vision(path: Path, seed: int = 0, hidden: int = 64) -> Path:
+    """A tiny random Qwen3-VL (`build_qwen_vl_vision`)."""
+    return build_qwen_vl_vision(path, "qwen3_vl", seed=seed, hidden=hidden)
+
+
+def build_qwen_vl_vision(
+    path: Path, family: str, seed: int = 0, patch_size: int = 4, hidden: int = 64
 ) -> Path:
-    """A tiny random Qwen2.5-VL: mlx-lm's `qwen2` language model with M-RoPE positions
-    (a quarter of each head's rotary frequencies for time, the rest for height and width
-    in halves) and a 2-block
-    vision tower on images cut in `patch_size` patches, 2x2 patches merged into one
-    position, so an image of 32x48 pixels takes 4x6 positions. Its processor resizes an
-    image to a multiple of 8 pixels a side, between 16x16 and 64x64."""
-    from mlx_vlm.models import qwen2_5_vl
+    """A tiny random Qwen-VL model of `family` ("qwen2_vl", "qwen2_5_vl" or "qwen3_vl"):
+    mlx-lm's `qwen2` or `qwen3` language model (2 layers) with M-RoPE positions (a quarter
+    of each head's rotary frequencies for time, the rest for height and width in halves;
+    one section after another, or interleaved for Qwen3-VL) and a 2-block vision
+    tower on images cut in `patch_size` patches, 2x2 patches merged into one position, so
+    an image of 32x48 pixels takes 4x6 positions; Qwen3-VL's tower also gives a deepstack
+    level from each block, added to the output of the first two layers. Its processor
+    resizes an image to a multiple of 8 pixels a side, between 16x16 and 64x64."""
+    from mlx_vlm.models import qwen2_5_vl, qwen2_vl, qwen3_vl
 
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
     tokenizer = build_tokenizer(QWEN_SPECIAL)
     tokenizer.save(str(path / "tokenizer.json"))
     ids = {t: tokenizer.token_to_id(t) for t in QWEN_SPECIAL}
-    vocab = tokenizer.get_vocab_size()
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>",
@@ -139,39 +150,52 @@ def build_qwen2_5_vl_vision(
     heads = 4
     half = hidden // heads // 2  # each head's rotary frequencies
     t, h = half // 4, (half - half // 4) // 2
+    qwen3 = family == "qwen3_vl"
+    text = {
+        "model_type": "qwen3" if qwen3 else "qwen2", "hidden_size": hidden,
+        "num_hidden_layers": 2, "intermediate_size": 2 * hidden, "num_attention_heads": heads,
+        "num_key_value_heads": 2, "head_dim": hidden // heads, "rms_norm_eps": 1e-6,
+        "vocab_size": tokenizer.get_vocab_size(), "rope_theta": 1000000.0,
+        "max_position_embeddings": 8192, "tie_word_embeddings": not qwen3,
+        "rope_scaling": {"type": "mrope", "mrope_section": [t, h, half - t - h],
+                         **({"mrope_interleaved": True} if qwen3 else {})},
+    }  # fmt: skip
     vision = {
-        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "model_type": family, "depth": 2, "hidden_size": 32, "intermediate_size": 64,
         "out_hidden_size": hidden, "num_heads": 2, "patch_size": patch_size,
         "spatial_patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2,
         "window_size": 4 * patch_size, "fullatt_block_indexes": [1], "in_channels": 3,
+        **({"num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]} if qwen3 else {}),
     }  # fmt: skip
-    config = {
-        "model_type": "qwen2_5_vl", "hidden_size": hidden, "num_hidden_layers": layers,
-        "intermediate_size": 2 * hidden, "num_attention_heads": heads,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab,
-        "rope_theta": 1000000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-        "rope_scaling": {"type": "mrope", "mrope_section": [t, h, half - t - h]},
-        "vision_config": vision, "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"], "vision_start_token_id": ids["<|vision_start|>"],
+    if family == "qwen2_vl":  # its tower is sized by other names
+        vision.update({"embed_dim": 32, "hidden_size": hidden, "mlp_ratio": 2})
+    tokens = {
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"], "vision_token_id": ids["<|vision_pad|>"],
         "eos_token_id": [ids["<|im_end|>"]], "bos_token_id": None,
     }  # fmt: skip
-    model_config = qwen2_5_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    model_config.text_config = qwen2_5_vl.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = qwen2_5_vl.VisionConfig.from_dict(vision)
-    model = qwen2_5_vl.Model(model_config)
+    # Qwen2.5-VL's checkpoints give the text model's settings at the top; Qwen3-VL's nest them.
+    config = {"model_type": family, "vision_config": vision, **tokens}
+    config.update({"text_config": text} if qwen3 else text)
+    config["model_type"] = family
+    module = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl}[family]
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.text_config = module.TextConfig.from_dict(text)
+    model_config.vision_config = module.VisionConfig.from_dict(vision)
+    model = module.Model(model_config)
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                 "qwen3_vl": "Qwen3VLProcessor"}[family]  # fmt: skip
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch_size,
         "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16 * 16,
         "max_pixels": 64 * 64, "do_resize": True, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "do_convert_rgb": True, "processor_class": "Qwen2_5_VLProcessor",
+        "do_convert_rgb": True, "processor_class": processor,
     }))  # fmt: skip
-    (path / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Qwen2_5_VLProcessor"})
-    )
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor}))
     return path

@@ -219,14 +219,17 @@ def pixel_digest(pixels: np.ndarray) -> bytes:
     return h.digest()
 
 
-Encode = Callable[[Image], mx.array]  # an image -> its (positions, hidden) embeddings
+# An image -> its embeddings, (positions, hidden), or (levels, positions, hidden) for a model
+# that adds the further levels to its first layers' output (`Deepstack`).
+Encode = Callable[[Image], mx.array]
 
 
 class Features:
-    """Recent images' features within a byte budget, encoded when first asked for."""
+    """Recent images' features within a byte budget (`budget`: a share of the prompt
+    cache's, where the server has one), encoded when first asked for."""
 
     def __init__(self, encode: Encode, budget: int) -> None:
-        self._encode, self._budget = encode, budget
+        self._encode, self.budget = encode, budget
         self._held: OrderedDict[bytes, mx.array] = OrderedDict()
         self.encoded = 0  # images encoded so far (a cached image's turn encodes none)
 
@@ -238,14 +241,14 @@ class Features:
         if image.pixels is None:  # a request holds every image it prefills: a bug if so
             raise ValueError("an image of this prompt is held by no request")
         features = self._encode(image)
-        if features.shape[0] != image.count:
+        if features.shape[-2] != image.count:
             raise ValueError(
-                f"the vision encoder gave {features.shape[0]} positions for an image of "
+                f"the vision encoder gave {features.shape[-2]} positions for an image of "
                 f"{image.count}"
             )
         self.encoded += 1
         self._held[image.digest] = features
-        while len(self._held) > 1 and self.nbytes() > self._budget:
+        while len(self._held) > 1 and self.nbytes() > self.budget:
             self._held.popitem(last=False)
         return features
 
@@ -258,18 +261,27 @@ class ImageEmbedding(nn.Module):
 
     Text ids go to the embedding it replaces (kept as `text`, so a tied output head and
     our module replacements still find it); image ids get rows of their image's
-    features (`Features`)."""
+    features (`Features`), and where those have further levels, the pass's `deepstack`
+    gets them for the layers that add them."""
 
-    def __init__(self, text: nn.Module, ids: ImageIds, features: Features) -> None:
+    def __init__(
+        self,
+        text: nn.Module,
+        ids: ImageIds,
+        features: Features,
+        deepstack: Deepstack | None = None,
+    ) -> None:
         super().__init__()
         self.text = text
         self.images, self.features = ids, features
         self.last_text_id = int(text.weight.shape[0]) - 1
+        self.deepstack = deepstack if deepstack is not None else Deepstack()
 
     def __call__(self, tokens: mx.array) -> mx.array:
         # A decode step's input is sampled tokens, never an image's: looking would wait for
         # the step before it, which mlx-lm overlaps with this one. Clamped all the same: an
         # id past the table would be read out of bounds (MLX checks none), not refused.
+        self.deepstack.additions = None  # each pass its own
         if len(self.images) == 0 or tokens.shape[-1] == 1:
             return self.text(mx.minimum(tokens, self.last_text_id))
         host = np.asarray(tokens)
@@ -287,9 +299,12 @@ class ImageEmbedding(nn.Module):
             parts.append(self.features.of(image))
             start += image.count
             i = int(np.searchsorted(ids, end))
-        table = mx.concatenate(parts)
-        images = table[mx.array(index)].astype(embedded.dtype)
-        return mx.where(mx.array(at)[..., None], images, embedded)
+        table, rows, mask = mx.concatenate(parts, axis=-2), mx.array(index), mx.array(at)[..., None]
+        if table.ndim == 3:  # further levels, added to the first layers' output
+            self.deepstack.additions = mx.where(mask, table[1:, rows], 0)
+            table = table[0]
+        images = table[rows].astype(embedded.dtype)
+        return mx.where(mask, images, embedded)
 
     def _image(self, token: int) -> Image:
         image = self.images.of(token)
@@ -299,3 +314,28 @@ class ImageEmbedding(nn.Module):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.text.as_linear(x)
+
+
+class Deepstack:
+    """What a pass adds to the output of each of the model's first layers at its image
+    positions (Qwen3-VL's deepstack: the vision encoder's inner levels), zero elsewhere:
+    set by `ImageEmbedding` at the start of each pass, read by each `DeepstackLayer`."""
+
+    def __init__(self) -> None:
+        self.additions: mx.array | None = None  # (levels, rows, tokens, hidden); None: none
+
+
+class DeepstackLayer(nn.Module):
+    """A decoder layer whose output gets the pass's `level`th deepstack addition."""
+
+    def __init__(self, layer: nn.Module, level: int, deepstack: Deepstack) -> None:
+        super().__init__()
+        self.layer = layer
+        self._level, self._deepstack = level, deepstack
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        out = self.layer(x, *args, **kwargs)
+        additions = self._deepstack.additions
+        if additions is None or self._level >= additions.shape[0]:
+            return out
+        return out + additions[self._level].astype(out.dtype)

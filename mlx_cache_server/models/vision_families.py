@@ -10,7 +10,8 @@ asks them, and never the family's name):
 - `marker` and `frame`: what the chat template writes for an image, and the tokens just
   before and after an image's run in the prompt;
 - `positions`: where the pass's tokens stand (`engine.positions`): plain for Gemma 3,
-  M-RoPE for Qwen2-VL and Qwen2.5-VL (`vision_positions`), installed by `open`.
+  M-RoPE for the Qwen-VL models (`vision_positions`), installed by `open`, which also
+  makes the first layers of a Qwen3-VL model add its deepstack (`vision.Deepstack`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..engine.positions import PLAIN, Positions
-from .vision import Image, ImageIds, pixel_digest
+from .vision import Deepstack, DeepstackLayer, Image, ImageIds, pixel_digest
 from .vision_positions import ImagePositions, install_mrope
 
 
@@ -58,8 +59,8 @@ class Gemma3Images:
         )
         self._count = end - start
 
-    def open(self, model: nn.Module, ids: ImageIds) -> None:
-        """Nothing to change in the language model for its positions."""
+    def open(self, model: nn.Module, ids: ImageIds, deepstack: Deepstack) -> None:
+        """Nothing to change in the language model."""
 
     def prepare(self, images: list[Any]) -> list[Prepared]:
         out = self._processor.image_processor(images, return_tensors="np")["pixel_values"]
@@ -76,28 +77,44 @@ class Gemma3Images:
         return embedded.inputs_embeds[0]
 
 
+VISION_END = "<|vision_end|>"
+
+
 class QwenImages:
-    """Qwen2-VL and Qwen2.5-VL: an image of any size cut in patches, each square of
-    `merge` x `merge` patches one position, `<|image_pad|>` repeated once a position
-    between `<|vision_start|>` and `<|vision_end|>`, at positions of a grid (M-RoPE)."""
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: an image of any size cut in patches, each square
+    of `merge` x `merge` patches one position, `<|image_pad|>` repeated once a position
+    between `<|vision_start|>` and `<|vision_end|>`, at positions of a grid (M-RoPE, its
+    frequencies interleaved in Qwen3-VL); Qwen3-VL's encoder also gives levels its first
+    layers add (deepstack)."""
 
     def __init__(self, vlm: Any, processor: Any) -> None:
         self._vlm, self._processor = vlm, processor
         config = vlm.config
         self.image_token = int(config.image_token_id)
         self.marker = processor.image_token
-        self.frame = (int(config.vision_start_token_id), int(config.vision_end_token_id))
+        # mlx-vlm's Qwen2-VL config names no end token: the tokenizer has it.
+        end = getattr(config, "vision_end_token_id", None)
+        end = end if end is not None else processor.tokenizer.convert_tokens_to_ids(VISION_END)
+        self.frame = (int(config.vision_start_token_id), int(end))
         self._merge = int(config.vision_config.spatial_merge_size)
         scaling = config.text_config.rope_scaling or {}
         self._sections = scaling.get("mrope_section")
+        qwen3 = config.model_type == "qwen3_vl"
+        self._interleaved = bool(scaling.get("mrope_interleaved", qwen3))
+        levels = getattr(config.vision_config, "deepstack_visual_indexes", None) or []
+        self._levels = len(levels)
         self.positions: Positions = PLAIN
 
-    def open(self, model: nn.Module, ids: ImageIds) -> None:
-        """The language model's RoPE made M-RoPE (`vision_positions`)."""
+    def open(self, model: nn.Module, ids: ImageIds, deepstack: Deepstack) -> None:
+        """The language model's RoPE made M-RoPE (`vision_positions`), and its first
+        layers given the deepstack's levels to add."""
         if self._sections is None:
             raise ValueError("the model's rope_scaling gives no mrope_section")
         positions = ImagePositions(ids)
-        install_mrope(model.layers, positions, self._sections)
+        layers = model.layers  # the language model's own list: changed in place
+        install_mrope(layers, positions, self._sections, self._interleaved)
+        for level in range(self._levels):
+            layers[level] = DeepstackLayer(layers[level], level, deepstack)
         self.positions = positions
 
     def prepare(self, images: list[Any]) -> list[Prepared]:
@@ -122,13 +139,18 @@ class QwenImages:
         grid = mx.array([[t, h * self._merge, w * self._merge]])
         tower = self._vlm.vision_tower
         pixels = mx.array(image.pixels).astype(tower.patch_embed.proj.weight.dtype)
-        return tower(pixels, grid, output_hidden_states=False)
+        out = tower(pixels, grid)
+        if not isinstance(out, tuple):
+            return out
+        features, levels = out  # Qwen3-VL: the deepstack's levels beside the features
+        return mx.stack([features, *levels]) if levels else features
 
 
 FAMILIES: dict[str, type] = {
     "gemma3": Gemma3Images,
     "qwen2_vl": QwenImages,
     "qwen2_5_vl": QwenImages,
+    "qwen3_vl": QwenImages,
 }
 
 

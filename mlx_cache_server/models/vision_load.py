@@ -20,12 +20,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..engine.positions import Positions
-from .vision import Features, Holds, ImageEmbedding, ImageIds
+from .vision import Deepstack, Features, Holds, ImageEmbedding, ImageIds
 from .vision_families import FAMILIES, Prepared
 
 log = logging.getLogger("mlx_cache_server")
 
-FEATURE_BYTES = 256 * 1024**2  # recent images' features kept (beside the KV cache)
+FEATURE_BYTES = 256 * 1024**2  # recent images' features kept, at most (out of the cache's budget)
 # Written before each image's part in the messages rendered (`serving.template`), so that
 # the image's own marker is told from the same text elsewhere: a private-use character.
 IMAGE = "\U000f0000"
@@ -125,10 +125,10 @@ def open_vision(
     mx.eval([v for k, v in tree_flatten(vlm.parameters()) if not k.startswith("language_model")])
     processor = load_processor(folder)
     images = kind(vlm, processor)
-    ids = ImageIds()
-    images.open(model, ids)
-    owner.embed_tokens = ImageEmbedding(text, ids, Features(images.encode, FEATURE_BYTES))
-    features = owner.embed_tokens.features
+    ids, deepstack = ImageIds(), Deepstack()
+    images.open(model, ids, deepstack)
+    features = Features(images.encode, FEATURE_BYTES)
+    owner.embed_tokens = ImageEmbedding(text, ids, features, deepstack)
     encoder = f"mlx-vlm {version('mlx-vlm')}"
     vision = Vision(processor, images, ids, features, limits or ImageLimits(), encoder)
     return vision, ""

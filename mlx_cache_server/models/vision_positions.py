@@ -1,8 +1,10 @@
-"""Positions of a model whose images take a grid of them: M-RoPE (Qwen2-VL, Qwen2.5-VL).
+"""Positions of a model whose images take a grid of them: M-RoPE (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL).
 
 Such a model rotates each query and key by three positions (time, height, width), each
-for its own section of the rotary frequencies. A text token's three are equal, so for
-text M-RoPE is the plain RoPE mlx-lm's language model applies, at the token's position.
+for its own share of the rotary frequencies (`frequency_axes`). A text token's three are
+equal, so for text M-RoPE is the plain RoPE mlx-lm's language model applies, at the
+token's position.
 An image's `count` positions form a `grid` (t, h, w): position k of the image is at
 (s + k_t, s + k_h, s + k_w), s being where the image starts, and the text after the
 image starts at s + the grid's longest side (`Image.span`), not s + count. So a token's
@@ -136,24 +138,39 @@ def _run(ids: np.ndarray, i: int, image: Image) -> int:
     return int(end - i if same.all() else np.argmin(same))
 
 
+def frequency_axes(sections: Sequence[int], frequencies: int, interleaved: bool) -> np.ndarray:
+    """Which of the three positions (0 time, 1 height, 2 width) each of the `frequencies`
+    rotary frequencies takes: `sections` of them each, one section after another
+    (Qwen2-VL, Qwen2.5-VL), or `interleaved`, height and width taking every third
+    frequency from the second and third on for as many as their sections say and time
+    the rest (Qwen3-VL)."""
+    if len(sections) != 3 or sum(sections) != frequencies:
+        raise ValueError(f"M-RoPE sections {list(sections)} do not cover {frequencies} frequencies")
+    if not interleaved:
+        return np.repeat(np.arange(3), sections)
+    axes = np.zeros(frequencies, dtype=np.int64)
+    for axis in (1, 2):
+        axes[axis : sections[axis] * 3 : 3] = axis
+    return axes
+
+
 class MRope(nn.Module):
     """A layer's RoPE, given each token's three positions where `positions` has them.
 
-    `rope` is the language model's own (`nn.RoPE`, rotating halves: Qwen's); `sections`
-    how many of its frequencies, in order, take the time, height and width position."""
+    `rope` is the language model's own (`nn.RoPE`, rotating halves: Qwen's); `axes` which
+    position each of its frequencies takes (`frequency_axes`)."""
 
-    def __init__(self, rope: nn.Module, positions: ImagePositions, sections: Sequence[int]) -> None:
+    def __init__(self, rope: nn.Module, positions: ImagePositions, axes: np.ndarray) -> None:
         super().__init__()
         if getattr(rope, "traditional", False):
             raise ValueError("M-RoPE here rotates halves; this model's RoPE interleaves")
-        half = rope.dims // 2
-        if sum(sections) != half:
-            raise ValueError(f"M-RoPE sections {list(sections)} do not cover {half} frequencies")
+        if len(axes) != rope.dims // 2:
+            raise ValueError("M-RoPE's frequencies are not this RoPE's")
         self.rope = rope
         self._positions = positions
         self._dims, self._scale = rope.dims, rope.scale
         self._inv_freq = rope.base ** (-mx.arange(0, rope.dims, 2, dtype=mx.float32) / rope.dims)
-        self._axis = mx.array(np.repeat(np.arange(3), sections))  # each frequency's position
+        self._axis = mx.array(axes)  # each frequency's position
         mx.eval(self._inv_freq, self._axis)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
@@ -182,9 +199,13 @@ class MRope(nn.Module):
 
 
 def install_mrope(
-    layers: Sequence[nn.Module], positions: ImagePositions, sections: Sequence[int]
+    layers: Sequence[nn.Module],
+    positions: ImagePositions,
+    sections: Sequence[int],
+    interleaved: bool = False,
 ) -> None:
     """Each attention layer's RoPE in `layers` wrapped in `MRope`."""
     for layer in layers:
         attention = layer.self_attn
-        attention.rope = MRope(attention.rope, positions, sections)
+        axes = frequency_axes(sections, attention.rope.dims // 2, interleaved)
+        attention.rope = MRope(attention.rope, positions, axes)

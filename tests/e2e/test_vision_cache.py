@@ -45,3 +45,11 @@ def test_the_cache_page_shows_an_image_as_a_marker(attention_only):
         report = httpx.get(server.url + "/v1/cache/tree").json()
     texts = [b["text"] for ns in report["namespaces"] for b in ns["branches"]]
     assert any("See: \n\n<start_of_image>[image]<end_of_image>" in t for t in texts), texts
+
+
+def test_kept_image_features_come_out_of_the_caches_budget(attention_only):
+    budget = 64 * 1024**2
+    with serving(attention_only, cache_max_bytes=budget, speculation=False) as server:
+        engine = server.engine
+        assert engine.vision.features.budget == budget // 4
+        assert engine.cache.max_bytes + engine.vision.features.budget == budget

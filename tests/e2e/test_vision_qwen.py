@@ -1,5 +1,6 @@
-"""Images on a tiny Qwen2.5-VL, whose image positions form a grid (M-RoPE) and move the
-text after them: the reply is mlx-vlm's own for the same prompt, later turns reuse the
+"""Images on tiny Qwen2.5-VL and Qwen3-VL models, whose image positions form a grid
+(M-RoPE) and move the text after them (and Qwen3-VL's first layers add the encoder's
+deepstack): the reply is mlx-vlm's own for the same prompt, later turns reuse the
 image, greedy output with the cache equals output without it whether the image is first,
 in the middle or in a tool result, whether prompts are prefilled in chunks that cut the
 image, together in one batch, or with quantized KV, and a different image never matches.
@@ -19,15 +20,15 @@ pytest.importorskip("mlx_vlm")
 
 from tests.e2e.test_vision import ask, conversation, image, png, text  # noqa: E402
 from tests.live import serving  # noqa: E402
-from tests.vision_models import build_qwen2_5_vl_vision  # noqa: E402
+from tests.vision_models import build_qwen_vl_vision  # noqa: E402
 
 # Before an image's first position: "<|im_start|>user\n" and "<|vision_start|>".
 BEFORE_IMAGE = 1 + 5 + 1 + 1
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    return str(build_qwen2_5_vl_vision(tmp_path_factory.mktemp("qwen2_5_vl")))
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def qwen_dir(tmp_path_factory, request):
+    return str(build_qwen_vl_vision(tmp_path_factory.mktemp(request.param), request.param))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_an_image_in_a_tool_result_replies_as_uncached(cached, uncached):
 
 
 def test_quantized_kv_with_the_cache_replies_as_without(tmp_path):
-    folder = str(build_qwen2_5_vl_vision(tmp_path / "q", hidden=128))  # heads of 32
+    folder = str(build_qwen_vl_vision(tmp_path / "q", "qwen3_vl", hidden=128))  # heads of 32
     messages = [{"role": "user", "content": [text("See "), image(png(45)), text(" now.")]}]
     quantized = {"kv_bits": 8, "kv_group_size": 32, "speculation": False}
     with serving(folder, **quantized) as server:

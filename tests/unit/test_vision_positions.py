@@ -1,8 +1,9 @@
-"""Our image path against mlx-vlm's own models of the same checkpoints. For a Qwen2.5-VL
-model (M-RoPE, `models.vision_positions`): the offsets worked out from the tokens by hand,
-and the language model as mlx-lm loads it, given those positions, against mlx-vlm's: the
-same logits for a prompt with two images run whole or in chunks that cut the images, and
-the same greedy reply decoded after it. For Gemma 3: the same logits."""
+"""Our image path against mlx-vlm's own models of the same checkpoints. For Qwen2.5-VL and
+Qwen3-VL models (M-RoPE, `models.vision_positions`; Qwen3-VL's frequencies interleaved and
+its deepstack): the offsets worked out from the tokens by hand, and the language model as
+mlx-lm loads it, given those positions, against mlx-vlm's: the same logits for a prompt
+with two images run whole or in chunks that cut the images, and the same greedy reply
+decoded after it. For Gemma 3: the same logits."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from PIL import Image as PILImage  # noqa: E402
 
-from mlx_cache_server.models.vision import IMAGE_BASE, Holds, ImageIds  # noqa: E402
+from mlx_cache_server.models.vision import (  # noqa: E402
+    IMAGE_BASE,
+    Deepstack,
+    DeepstackLayer,
+    Holds,
+    ImageIds,
+)
 from mlx_cache_server.models.vision_load import IMAGE, open_vision  # noqa: E402
-from mlx_cache_server.models.vision_positions import ImagePositions  # noqa: E402
-from tests.vision_models import build_gemma3_vision, build_qwen2_5_vl_vision  # noqa: E402
+from mlx_cache_server.models.vision_positions import ImagePositions, frequency_axes  # noqa: E402
+from tests.vision_models import build_gemma3_vision, build_qwen_vl_vision  # noqa: E402
 
 
 def registered(count: int, grid: tuple[int, int, int] | None, seed: int, ids: ImageIds):
@@ -73,11 +80,20 @@ def test_a_pass_without_images_sets_one_shift_a_row_and_none_for_text():
         assert positions.offsets.tolist() == [0, -2]
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def test_frequencies_in_sections_or_interleaved():
+    assert frequency_axes([2, 3, 3], 8, False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    # Qwen3-VL: height and width every third frequency from the second and third on.
+    assert frequency_axes([2, 3, 3], 8, True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert frequency_axes([4, 2, 2], 8, True).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    with pytest.raises(ValueError, match="do not cover"):
+        frequency_axes([2, 3, 2], 8, False)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def qwen(tmp_path_factory, request):
     from mlx_vlm.utils import load_model, load_processor
 
-    folder = build_qwen2_5_vl_vision(tmp_path_factory.mktemp("qwen2_5_vl"))
+    folder = build_qwen_vl_vision(tmp_path_factory.mktemp(request.param), request.param)
     model, tokenizer = load(str(folder))
     vision, why = open_vision(folder, model)
     assert vision is not None, why
@@ -122,6 +138,13 @@ def test_logits_equal_mlx_vlms_whole_and_in_chunks_that_cut_the_images(qwen):
     assert mx.allclose(whole, expected, atol=1e-3).item()
     # The positions are what matter: the same pass at plain positions is another result.
     assert not mx.allclose(model(mx.array([tokens])), expected, atol=1e-1).item()
+    deepened = [layer for layer in model.layers if isinstance(layer, DeepstackLayer)]
+    assert len(deepened) == (2 if model.model_type == "qwen3_vl" else 0)
+    for layer in deepened:  # and so is the deepstack, where the model has one
+        kept, layer._deepstack = layer._deepstack, Deepstack()
+        with positions.prefilling([([], tokens)]):
+            assert not mx.allclose(model(mx.array([tokens])), expected, atol=1e-1).item()
+        layer._deepstack = kept
     for size in (5, 7, 16):
         cache = make_prompt_cache(model)
         for at in range(0, len(tokens), size):
