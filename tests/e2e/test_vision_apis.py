@@ -1,4 +1,4 @@
-"""Images through the Messages and Responses APIs on the tiny Gemma 3 vision model, with
+"""Images through the Messages and Responses APIs on the tiny Gemma 3 and Qwen3-VL models, with
 each SDK: image blocks and parts in user turns and in tool results, reused from the cache
 on later turns, the same replies as without the cache, and bad images as 400s naming the
 client's own field."""
@@ -11,12 +11,13 @@ import pytest
 
 from tests.e2e.test_vision import BEFORE_IMAGE, png
 from tests.live import serving
-from tests.vision_models import build_gemma3_vision
+from tests.vision_models import build_gemma3_vision, build_qwen3_vl_vision
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    folder = str(build_gemma3_vision(tmp_path_factory.mktemp("gemma3_vision_apis")))
+@pytest.fixture(scope="module", params=["gemma3", "qwen3_vl"])
+def servers(tmp_path_factory, request):
+    build = {"gemma3": build_gemma3_vision, "qwen3_vl": build_qwen3_vl_vision}[request.param]
+    folder = str(build(tmp_path_factory.mktemp(request.param)))
     with serving(folder, speculation=False) as cached:
         with serving(folder, no_cache=True, speculation=False) as uncached:
             yield cached, uncached

@@ -152,3 +152,17 @@ def test_drafts_over_an_image_prompt_reply_as_without(qwen_dir, uncached):
     messages = [{"role": "user", "content": [image(png(46)), text("Say it twice. " * 3)]}]
     with serving(qwen_dir) as drafting:  # prompt lookup on
         assert ask(drafting, messages, 24)[0] == ask(uncached, messages, 24)[0]
+
+
+def test_a_restarted_server_continues_from_the_disk_tier(qwen_dir, uncached, tmp_path):
+    """After a restart the image's ids come back from the disk tier's record, and its grid
+    from the request that sends it again: the text after it stands where it stood."""
+    kv = str(tmp_path / "kv")
+    first = [{"role": "user", "content": [text("See "), image(png(47)), text(" here.")]}]
+    with serving(qwen_dir, cache_dir=kv, speculation=False) as server:
+        reply, usage = ask(server, first)
+    later = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "More."}]
+    with serving(qwen_dir, cache_dir=kv, speculation=False) as server:
+        again, usage_again = ask(server, later)
+        assert usage_again.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 1
+    assert again == ask(uncached, later)[0]
