@@ -127,15 +127,16 @@ def build_qwen3_vl_vision(path: Path, seed: int = 0, hidden: int = 64) -> Path:
 def build_qwen_vl_vision(
     path: Path, family: str, seed: int = 0, patch_size: int = 4, hidden: int = 64
 ) -> Path:
-    """A tiny random Qwen-VL model of `family` ("qwen2_vl", "qwen2_5_vl" or "qwen3_vl"):
-    mlx-lm's `qwen2` or `qwen3` language model (2 layers) with M-RoPE positions (a quarter
+    """A tiny random Qwen-VL model of `family` ("qwen2_vl", "qwen2_5_vl", "qwen3_vl" or
+    "qwen3_vl_moe"): mlx-lm's `qwen2`, `qwen3` or `qwen3_moe` language model (2 layers) with
+    M-RoPE positions (a quarter
     of each head's rotary frequencies for time, the rest for height and width in halves;
     one section after another, or interleaved for Qwen3-VL) and a 2-block vision
     tower on images cut in `patch_size` patches, 2x2 patches merged into one position, so
     an image of 32x48 pixels takes 4x6 positions; Qwen3-VL's tower also gives a deepstack
     level from each block, added to the output of the first two layers. Its processor
     resizes an image to a multiple of 8 pixels a side, between 16x16 and 64x64."""
-    from mlx_vlm.models import qwen2_5_vl, qwen2_vl, qwen3_vl
+    from mlx_vlm.models import qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe
 
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
@@ -150,9 +151,10 @@ def build_qwen_vl_vision(
     heads = 4
     half = hidden // heads // 2  # each head's rotary frequencies
     t, h = half // 4, (half - half // 4) // 2
-    qwen3 = family == "qwen3_vl"
+    qwen3 = family.startswith("qwen3_vl")
     text = {
-        "model_type": "qwen3" if qwen3 else "qwen2", "hidden_size": hidden,
+        "model_type": {"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}.get(family, "qwen2"),
+        "hidden_size": hidden,
         "num_hidden_layers": 2, "intermediate_size": 2 * hidden, "num_attention_heads": heads,
         "num_key_value_heads": 2, "head_dim": hidden // heads, "rms_norm_eps": 1e-6,
         "vocab_size": tokenizer.get_vocab_size(), "rope_theta": 1000000.0,
@@ -167,6 +169,10 @@ def build_qwen_vl_vision(
         "window_size": 4 * patch_size, "fullatt_block_indexes": [1], "in_channels": 3,
         **({"num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]} if qwen3 else {}),
     }  # fmt: skip
+    if family == "qwen3_vl_moe":  # 4 experts of 32, 2 a token, in every layer
+        text.update({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                     "mlp_only_layers": [], "moe_intermediate_size": 32,
+                     "norm_topk_prob": True})  # fmt: skip
     if family == "qwen2_vl":  # its tower is sized by other names
         vision.update({"embed_dim": 32, "hidden_size": hidden, "mlp_ratio": 2})
     tokens = {
@@ -179,7 +185,8 @@ def build_qwen_vl_vision(
     config = {"model_type": family, "vision_config": vision, **tokens}
     config.update({"text_config": text} if qwen3 else text)
     config["model_type"] = family
-    module = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl}[family]
+    module = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl,
+              "qwen3_vl_moe": qwen3_vl_moe}[family]  # fmt: skip
     model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
     model_config.text_config = module.TextConfig.from_dict(text)
     model_config.vision_config = module.VisionConfig.from_dict(vision)
@@ -187,8 +194,9 @@ def build_qwen_vl_vision(
     weights = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
-    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                 "qwen3_vl": "Qwen3VLProcessor"}[family]  # fmt: skip
+    processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(
+        family, "Qwen3VLProcessor"
+    )
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch_size,
         "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16 * 16,

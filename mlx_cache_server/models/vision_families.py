@@ -99,7 +99,7 @@ class QwenImages:
         self._merge = int(config.vision_config.spatial_merge_size)
         scaling = config.text_config.rope_scaling or {}
         self._sections = scaling.get("mrope_section")
-        qwen3 = config.model_type == "qwen3_vl"
+        qwen3 = config.model_type.startswith("qwen3_vl")
         self._interleaved = bool(scaling.get("mrope_interleaved", qwen3))
         levels = getattr(config.vision_config, "deepstack_visual_indexes", None) or []
         self._levels = len(levels)
@@ -151,6 +151,7 @@ FAMILIES: dict[str, type] = {
     "qwen2_vl": QwenImages,
     "qwen2_5_vl": QwenImages,
     "qwen3_vl": QwenImages,
+    "qwen3_vl_moe": QwenImages,
 }
 
 

@@ -26,7 +26,7 @@ from tests.vision_models import build_qwen_vl_vision  # noqa: E402
 BEFORE_IMAGE = 1 + 5 + 1 + 1
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def qwen_dir(tmp_path_factory, request):
     return str(build_qwen_vl_vision(tmp_path_factory.mktemp(request.param), request.param))
 
