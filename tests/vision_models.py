@@ -127,16 +127,16 @@ def build_qwen3_vl_vision(path: Path, seed: int = 0, hidden: int = 64) -> Path:
 def build_qwen_vl_vision(
     path: Path, family: str, seed: int = 0, patch_size: int = 4, hidden: int = 64
 ) -> Path:
-    """A tiny random Qwen-VL model of `family` ("qwen2_vl", "qwen2_5_vl", "qwen3_vl" or
-    "qwen3_vl_moe"): mlx-lm's `qwen2`, `qwen3` or `qwen3_moe` language model (2 layers) with
-    M-RoPE positions (a quarter
-    of each head's rotary frequencies for time, the rest for height and width in halves;
-    one section after another, or interleaved for Qwen3-VL) and a 2-block vision
-    tower on images cut in `patch_size` patches, 2x2 patches merged into one position, so
-    an image of 32x48 pixels takes 4x6 positions; Qwen3-VL's tower also gives a deepstack
-    level from each block, added to the output of the first two layers. Its processor
-    resizes an image to a multiple of 8 pixels a side, between 16x16 and 64x64."""
-    from mlx_vlm.models import qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe
+    """A tiny random Qwen vision model of `family` ("qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+    "qwen3_vl_moe", "qwen3_5" or "qwen3_5_moe"): mlx-lm's language model of it (2 layers;
+    Qwen3.5's 4, Gated DeltaNet and full attention in turn) with M-RoPE positions (a
+    quarter of each head's rotary frequencies for time, the rest for height and width in
+    halves; one section after another, or interleaved from Qwen3-VL on) and a 2-block
+    vision tower on images cut in `patch_size` patches, 2x2 patches merged into one
+    position, so an image of 32x48 pixels takes 4x6 positions; Qwen3-VL's tower also gives
+    a deepstack level from each block, added to the output of the first two layers. Its
+    processor resizes an image to a multiple of 8 pixels a side, between 16x16 and 64x64."""
+    from mlx_vlm.models import qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
 
     path.mkdir(parents=True, exist_ok=True)
     mx.random.seed(seed)
@@ -151,7 +151,7 @@ def build_qwen_vl_vision(
     heads = 4
     half = hidden // heads // 2  # each head's rotary frequencies
     t, h = half // 4, (half - half // 4) // 2
-    qwen3 = family.startswith("qwen3_vl")
+    qwen3 = family.startswith("qwen3")
     text = {
         "model_type": {"qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}.get(family, "qwen2"),
         "hidden_size": hidden,
@@ -168,11 +168,21 @@ def build_qwen_vl_vision(
         "spatial_patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2,
         "window_size": 4 * patch_size, "fullatt_block_indexes": [1], "in_channels": 3,
         **({"num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]} if qwen3 else {}),
+        **({"deepstack_visual_indexes": []} if family.startswith("qwen3_5") else {}),
     }  # fmt: skip
-    if family == "qwen3_vl_moe":  # 4 experts of 32, 2 a token, in every layer
+    if family.startswith("qwen3_5"):  # Gated DeltaNet layers, every other one full attention
+        text.update({
+            "model_type": family + "_text", "full_attention_interval": 2,
+            "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_hidden_layers": 4,
+            "head_dim": 2 * hidden // heads,  # half of it rotated: the same frequencies
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.5, **text.pop("rope_scaling")},
+        })  # fmt: skip
+    if family.endswith("_moe"):  # 4 experts of 32, 2 a token, in every layer
         text.update({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
                      "mlp_only_layers": [], "moe_intermediate_size": 32,
-                     "norm_topk_prob": True})  # fmt: skip
+                     "shared_expert_intermediate_size": 64, "norm_topk_prob": True})  # fmt: skip
     if family == "qwen2_vl":  # its tower is sized by other names
         vision.update({"embed_dim": 32, "hidden_size": hidden, "mlp_ratio": 2})
     tokens = {
@@ -186,7 +196,8 @@ def build_qwen_vl_vision(
     config.update({"text_config": text} if qwen3 else text)
     config["model_type"] = family
     module = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl,
-              "qwen3_vl_moe": qwen3_vl_moe}[family]  # fmt: skip
+              "qwen3_vl_moe": qwen3_vl_moe, "qwen3_5": qwen3_5,
+              "qwen3_5_moe": qwen3_5_moe}[family]  # fmt: skip
     model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
     model_config.text_config = module.TextConfig.from_dict(text)
     model_config.vision_config = module.VisionConfig.from_dict(vision)

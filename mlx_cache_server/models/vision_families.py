@@ -97,9 +97,12 @@ class QwenImages:
         end = end if end is not None else processor.tokenizer.convert_tokens_to_ids(VISION_END)
         self.frame = (int(config.vision_start_token_id), int(end))
         self._merge = int(config.vision_config.spatial_merge_size)
-        scaling = config.text_config.rope_scaling or {}
+        text = config.text_config  # Qwen3.5's names its rope settings rope_parameters
+        scaling = (
+            getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+        )
         self._sections = scaling.get("mrope_section")
-        qwen3 = config.model_type.startswith("qwen3_vl")
+        qwen3 = config.model_type.startswith(("qwen3_vl", "qwen3_5"))
         self._interleaved = bool(scaling.get("mrope_interleaved", qwen3))
         levels = getattr(config.vision_config, "deepstack_visual_indexes", None) or []
         self._levels = len(levels)
@@ -115,6 +118,8 @@ class QwenImages:
         install_mrope(layers, positions, self._sections, self._interleaved)
         for level in range(self._levels):
             layers[level] = DeepstackLayer(layers[level], level, deepstack)
+            if model.layers[level] is not layers[level]:  # a copy: the model runs its own
+                raise ValueError("this model's layers cannot take the deepstack")
         self.positions = positions
 
     def prepare(self, images: list[Any]) -> list[Prepared]:
@@ -152,6 +157,8 @@ FAMILIES: dict[str, type] = {
     "qwen2_5_vl": QwenImages,
     "qwen3_vl": QwenImages,
     "qwen3_vl_moe": QwenImages,
+    "qwen3_5": QwenImages,
+    "qwen3_5_moe": QwenImages,
 }
 
 

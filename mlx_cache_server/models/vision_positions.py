@@ -204,8 +204,11 @@ def install_mrope(
     sections: Sequence[int],
     interleaved: bool = False,
 ) -> None:
-    """Each attention layer's RoPE in `layers` wrapped in `MRope`."""
+    """Each attention layer's RoPE in `layers` wrapped in `MRope` (a hybrid model's other
+    layers have none)."""
     for layer in layers:
-        attention = layer.self_attn
+        attention = layer.get("self_attn")
+        if attention is None:
+            continue
         axes = frequency_axes(sections, attention.rope.dims // 2, interleaved)
         attention.rope = MRope(attention.rope, positions, axes)
