@@ -125,7 +125,12 @@ def build_qwen3_vl_vision(path: Path, seed: int = 0, hidden: int = 64) -> Path:
 
 
 def build_qwen_vl_vision(
-    path: Path, family: str, seed: int = 0, patch_size: int = 4, hidden: int = 64
+    path: Path,
+    family: str,
+    seed: int = 0,
+    patch_size: int = 4,
+    hidden: int = 64,
+    max_pixels: int = 64 * 64,
 ) -> Path:
     """A tiny random Qwen vision model of `family` ("qwen2_vl", "qwen2_5_vl", "qwen3_vl",
     "qwen3_vl_moe", "qwen3_5" or "qwen3_5_moe"): mlx-lm's language model of it (2 layers;
@@ -135,7 +140,8 @@ def build_qwen_vl_vision(
     vision tower on images cut in `patch_size` patches, 2x2 patches merged into one
     position, so an image of 32x48 pixels takes 4x6 positions; Qwen3-VL's tower also gives
     a deepstack level from each block, added to the output of the first two layers. Its
-    processor resizes an image to a multiple of 8 pixels a side, between 16x16 and 64x64."""
+    processor resizes an image to a multiple of 8 pixels a side (2 patches), between 16x16
+    and 64x64 pixels in all (`max_pixels`). A benchmark asks for a larger one."""
     from mlx_vlm.models import qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
 
     path.mkdir(parents=True, exist_ok=True)
@@ -211,7 +217,7 @@ def build_qwen_vl_vision(
     (path / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch_size,
         "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 16 * 16,
-        "max_pixels": 64 * 64, "do_resize": True, "do_rescale": True,
+        "max_pixels": max_pixels, "do_resize": True, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "do_convert_rgb": True, "processor_class": processor,

@@ -160,11 +160,13 @@ FIGURES: dict[str, list[Figure]] = {
                "", "share"),
     ],
     "images": [
-        Figure("vision", "image conversation: later turns", at("ours", "warm_ttft_median"),
-               at("vlm", "warm_ttft_median"), "mlx-vlm's server", "s"),
-        Figure("vision", "the same image in a new conversation",
-               at("ours", "second_conversation_ttft_median"),
-               at("vlm", "second_conversation_ttft_median"), "mlx-vlm's server", "s"),
+        Figure("vision", f"{name}: {what}", at(family, "ours", key), at(family, "vlm", key),
+               "mlx-vlm's server", "s")
+        for family, name in (("gemma3", "Gemma 3"), ("qwen3_vl", "Qwen3-VL"))
+        for key, what in (("cold_ttft_median", "a screenshot's first turn"),
+                          ("warm_ttft_median", "the turns after it"),
+                          ("second_conversation_ttft_median",
+                           "the same screenshot in a new conversation"))
     ],
 }
 # fmt: on
