@@ -58,7 +58,7 @@ use_openblas()  # `--pass-cost` runs the model here: the server's BLAS, loaded b
 
 import httpx
 from envelope import RESULTS, write_result
-from harness import STARTED, free_port, running
+from harness import STARTED, ServerFailed, free_port, running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -141,7 +141,7 @@ def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+                raise ServerFailed(f"llama-server did not start: {' '.join(cmd)}")
             time.sleep(0.3)
         yield url
     finally:
