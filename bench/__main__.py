@@ -70,7 +70,8 @@ WORKLOADS = {
                       ("--rounds", "1", "--words", "300", "--streams", "2")),
     "speculation": Workload("throughput", "speculation.py", (), "speculation.json",
                             "prompt-lookup drafts: edit-style turns and chat, on and off",
-                            ("--rounds", "1", "--tokens", "64"), ("matplotlib",)),
+                            ("--rounds", "1", "--tokens", "64", "--servers", "ours,peer"),
+                            ("matplotlib",)),
     "speculation-batches": Workload("throughput", "speculation.py", (
         "--rounds", "1", "--sharegpt", "8", "--servers", "ours,ours-plain",
         "--out", "speculation_ours.json"), "speculation_ours.json",
