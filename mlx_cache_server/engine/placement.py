@@ -6,7 +6,8 @@ them to its length: the join copies the whole batch into a buffer that many time
 its size, and every decode step after it reads the padding as if it were KV. Beside
 a batch whose rectangle would be mostly padding, a second batch costs less: one more
 forward pass per step, each pass reading only its own sequences' KV
-(bench/README.md, "A long prompt decodes beside the streams, not among them").
+(`python -m bench mixed` measures the streams' inter-token latency until the long
+prompt's last token: bench/results/mixed.json).
 
 A sequence joins a batch with sequences in it whose padding would stay within
 `PADDING_LIMIT` tokens of KV held per token of real KV, the main one first; else an

@@ -8,7 +8,8 @@ with its first token as its prompt. A longer one goes through the batch in
 chunks, so that prompts arriving meanwhile can start beside it, and comes back
 here for its last chunk when no other prompt is prefilling (`PromptSteps.last_chunk`).
 Requests admitted together keep the batched path, which prefills them in one
-forward pass. (bench/README.md, "First token", has the measurements.)
+forward pass. (`python -m bench ttft-floor` measures a warm turn's TTFT against
+prefilling its new tokens plus one decode step: bench/results/ttft_floor.json.)
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ class PromptSteps:
         It is taken out of the batch and finished alone (`finish_prefill`): its first
         token comes from its last chunk's logits, not from a one-token step after it, and
         reaches the client before it joins a decode batch (`Running.place`); the join could
-        copy a whole batch's KV (bench/README.md, "Running streams beside a long prefill").
+        copy a whole batch's KV (`python -m bench mixed` measures the streams' gaps and the
+        long prompt's TTFT: bench/results/mixed.json).
         """
         prefilling = self.running.prefilling()
         if len(prefilling) != 1:
@@ -174,8 +175,8 @@ class PromptSteps:
         checkpoint = cached and progress.end_of_segment and bool(request.params.checkpoints)
         # Beside running streams its KV goes into the cache chunk by chunk too, each step
         # copying its own chunk's: the whole prompt's copy, taken at its first token, fell
-        # into one step the streams waited for (bench/README.md, "One forward pass for a
-        # chunk and the streams' step").
+        # into one step the streams waited for (`python -m bench mixed` measures the
+        # streams' longest gap while a long prompt prefills).
         chunked = cached and not request.params.checkpoints and self._beside_streams(request)
         if awaited or checkpoint or chunked:
             kv = self.running.gen.extract_cache([progress.uid]).get(progress.uid)

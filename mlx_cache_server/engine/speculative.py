@@ -54,8 +54,8 @@ from .drafting import ACCEPTED
 from .sampling import Categorical
 
 # A pass's rows and positions (rows times k+1) at most: as far as the pass-cost model
-# below was measured (`--pass-cost` in bench/speculation.py; bench/README.md, "Decode
-# kernels"); PADDED_ROWS where a pass computes its fillers (`kernel_block.skips_fillers`).
+# below was measured (`python -m bench speculation --pass-cost` times one pass by rows and
+# positions); PADDED_ROWS where a pass computes its fillers (`kernel_block.skips_fillers`).
 MAX_ROWS, PADDED_ROWS, MAX_POSITIONS = 8, 4, 64
 # A pass over B rows costs about 1 + PER_ROW * (B-1) times a lone stream's step, and
 # PER_DRAFTED more for each drafted position of any row, or for each of its B x k

@@ -1,11 +1,12 @@
 """Debian's OpenBLAS for MLX's CPU matmuls, where it is installed.
 
-The `mlx[cpu]` wheel links the reference BLAS, many times slower for float32 prefill
-than OpenBLAS (bench/README.md, "The CPU path"). MLX's library leaves `cblas_sgemm` to
-the dynamic linker, which looks in the libraries loaded with global symbols before a
-library's own: OpenBLAS loaded that way before `mlx.core` is imported serves MLX's
-matmuls. Loaded after, it does not (the linker has bound MLX's library by then), so
-`use_openblas` runs before anything imports MLX (`cli.py`) and refuses once it has been.
+The `mlx[cpu]` wheel links the reference BLAS, many times slower for float32 prefill than
+OpenBLAS (timed by a script no longer kept: bench/README.md as of c01f1a1, "The CPU
+path"). MLX's library leaves `cblas_sgemm` to the dynamic linker, which looks in the
+libraries loaded with global symbols before a library's own: OpenBLAS loaded that way
+before `mlx.core` is imported serves MLX's matmuls. Loaded after, it does not (the linker
+has bound MLX's library by then), so `use_openblas` runs before anything imports MLX
+(`cli.py`) and refuses once it has been.
 
 Nothing goes into the environment: no LD_PRELOAD, no re-execution, and a child process
 starts with what its own command loads. Only on Linux, and only for MLX's CPU backend:

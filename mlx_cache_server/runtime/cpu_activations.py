@@ -1,16 +1,17 @@
 """The MLP's SwiGLU on MLX's CPU device, vectorized: our primitive, else numpy.
 
-`silu(gate) * x` takes one `exp` per element of the MLP's hidden width, and on Linux
-MLX's CPU `exp` is scalar: after attention, the activation was the largest cost of a
-prefill that was not a matmul, and every decode step of many streams pays it too
-(bench/README.md, "Attention on the Linux CPU", has the profile). Where our extension
+`silu(gate) * x` takes one `exp` per element of the MLP's hidden width, and on Linux MLX's
+CPU `exp` is scalar: after attention, the activation was the largest cost of a prefill
+that was not a matmul, and every decode step of many streams pays it too (`python -m bench
+cpu-attention` times a forward pass per op kind, the activation among them, with MLX's
+kernels and with the fast path: bench/results/cpu_attention.json). Where our extension
 builds (`native.layers()`), float32 SwiGLU is its node (`csrc/block.cpp`): mlx-lm's
 arithmetic, so the same bits as a Llama block's node and as mlx-lm's own `swiglu`, 16
 lanes at a time, and no evaluation mid-graph. Without it, numpy's, where the round trip
-pays (`fast_path.MIN_ELEMENTS`); `fast_path.FastPath.swiglu` picks, and anything else
-goes to mlx-lm's own compiled `swiglu`. Elementwise either way, so the result of an
-element never depends on how a prompt was cut into chunks: cached and uncached runs
-compute the same values.
+pays (`fast_path.MIN_ELEMENTS`); `fast_path.FastPath.swiglu` picks, and anything else goes
+to mlx-lm's own compiled `swiglu`. Elementwise either way, so the result of an element
+never depends on how a prompt was cut into chunks: cached and uncached runs compute the
+same values.
 """
 
 from __future__ import annotations

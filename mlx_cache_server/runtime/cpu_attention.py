@@ -1,21 +1,22 @@
 """Attention on MLX's CPU device with the softmax in numpy, whose exp is vectorized.
 
-On Linux, MLX's CPU backend computes `exp` one element at a time, and a prefill
-chunk's softmax over a long context is most of its attention's time (bench/README.md,
-"Attention on the Linux CPU"). Here the two matmuls stay in MLX (its BLAS) and the
-softmax runs in numpy on a zero-copy view of the scores: its SIMD exp. numpy's own
-BLAS is not used for them: a second BLAS thread pool spinning beside MLX's slowed every
-matmul of the forward pass on a machine with few cores. Queries are taken in chunks
-so that a chunk's scores stay under `CHUNK_SCORES` values (a chunk holds at least
-one query per sequence, so a decode step's scores are computed at once): rows are
-independent, so each is an exact softmax, with no rescaling.
+On Linux, MLX's CPU backend computes `exp` one element at a time, and a prefill chunk's
+softmax over a long context is most of its attention's time (`python -m bench
+cpu-attention` times one layer's attention both ways and the warm turns it serves). Here
+the two matmuls stay in MLX (its BLAS) and the softmax runs in numpy on a zero-copy view
+of the scores: its SIMD exp. numpy's own BLAS is not used for them: a second BLAS thread
+pool spinning beside MLX's slowed every matmul of the forward pass on a machine with few
+cores. Queries are taken in chunks so that a chunk's scores stay under `CHUNK_SCORES`
+values (a chunk holds at least one query per sequence, so a decode step's scores are
+computed at once): rows are independent, so each is an exact softmax, with no rescaling.
 
 A decode step (one query a sequence) over a short context (`fast_path.DECODE_MAX_KEYS`) is the
 exception (`decode_attention`): all of it runs in numpy, its matmuls included, each small
 enough that numpy's BLAS keeps it on the calling thread (`fast_path.DECODE_MAX_PRODUCT`). There
 MLX's kernel spent most of its time in its scalar `exp` and its many small ops, and
-`attention` in the round trips of MLX's two matmuls (bench/README.md, "Decode steps'
-attention"); over longer contexts numpy's path measured slower.
+`attention` in the round trips of MLX's two matmuls; over longer contexts numpy's path
+measured slower (in-process timings, in bench/README.md as of c01f1a1, "Decode steps'
+attention"; `python -m bench decode` measures the decode steps this serves).
 
 Which calls take which path (`KERNEL`: `kernel_attention`, where our kernels' module is
 there; `NUMPY_DECODE`: `decode_attention`; `NUMPY`: `attention`; else mlx-lm's own

@@ -3,9 +3,10 @@
 Every sampled token first has its row of logits turned into logprobs, `logits -
 logsumexp(logits)`: one `exp` per vocabulary entry, and on Linux MLX's CPU `exp` is
 scalar, so with many streams this was, after the matmuls, among a decode step's largest
-costs (bench/README.md, "Decode throughput with many streams"). `install` has mlx-lm's
-generators call `logsumexp` here (`mlx_adapter.model_patches.route_generate`); the engine's
-own normalizations call it directly.
+costs (`python -m bench decode` measures decode with many streams:
+bench/results/decode.json). `install` has mlx-lm's generators call `logsumexp` here
+(`mlx_adapter.model_patches.route_generate`); the engine's own normalizations call it
+directly.
 
 Each row is reduced on its own, so among steps of several streams a sequence's logprobs
 never depend on which others share its step. `fast_path.FastPath.logsumexp` leaves one or

@@ -3,8 +3,9 @@
 On Linux, MLX's CPU backend computes `exp` one element at a time and builds RoPE and RMSNorm
 out of many small ops; where that was measured to pay, the fast path runs an op on our
 kernels (`native`: MLX primitives built at install) or through numpy instead, with the same
-meaning (bench/README.md: "Attention on the Linux CPU", "Decode throughput with many
-streams", "Decode steps' attention", "Decode kernels"). `cpu_fast_path.install` puts the
+meaning (`python -m bench cpu-attention` measures attention and the activation both ways,
+`python -m bench decode` the decode throughput with many streams; the decode steps' per-op
+timings are in bench/README.md as of c01f1a1). `cpu_fast_path.install` puts the
 entry points in a model; each entry point asks `FAST_PATH` which route a call takes and
 runs that, nothing else. Every rule is a method below, one per family of ops:
 
@@ -51,7 +52,8 @@ class Route(enum.Enum):
 # attention: scores of one call below which MLX's own kernel is as fast as numpy's softmax.
 MIN_SCORES = 1 << 18
 # attention: keys a sequence attends to beyond which a decode step is not numpy's: it was
-# faster up to ~350 keys and slower from ~500 (bench/README.md, "Decode steps' attention").
+# faster up to ~350 keys and slower from ~500 (in-process timings, in bench/README.md as of
+# c01f1a1, "Decode steps' attention").
 DECODE_MAX_KEYS = 384
 # attention: a decode step's product (query heads a key head serves x head size x keys) past
 # which numpy's OpenBLAS would spread it over its own threads, which spin beside MLX's.

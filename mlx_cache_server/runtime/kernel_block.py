@@ -2,8 +2,9 @@
 
 mlx-lm's Llama block is dozens of graph nodes on float32, each a task on MLX's CPU
 stream with the pool's worker idle beside it, and building them takes the Python thread
-a share of the two cores that run them (bench/README.md, "Decode kernels", has the
-profile). `Block` runs the norm, projections and RoPE before attention as one op and
+a share of the two cores that run them (an in-process profile, in bench/README.md as of
+c01f1a1, "Decode kernels"; `python -m bench decode` measures the decode throughput this
+serves). `Block` runs the norm, projections and RoPE before attention as one op and
 everything after it as another, with the same arithmetic in the same order: the same
 bits as mlx-lm's own block, SwiGLU included (`cpu_activations` computes it the same
 way), which the tests compare.

@@ -1,10 +1,12 @@
 """RoPE and RMSNorm on MLX's CPU device as one op each (`csrc/layers.cpp`).
 
 On the CPU, `mx.fast.rope` and `mx.fast.rms_norm` have no kernel: each call builds MLX's
-fallback, some twenty small ops for RoPE and six for RMSNorm, and a decode step of a
-small model was mostly those ops' graph nodes, allocations and tasks (bench/README.md,
-"Decode kernels"). The primitives compute the fallback's arithmetic in its order, so
-their results are the same bits: nothing about a model's output changes but its speed.
+fallback, some twenty small ops for RoPE and six for RMSNorm, and a decode step of a small
+model was mostly those ops' graph nodes, allocations and tasks (an in-process profile, in
+bench/README.md as of c01f1a1, "Decode kernels"; `python -m bench decode` measures the
+decode throughput this serves). The primitives compute the fallback's arithmetic in its
+order, so their results are the same bits: nothing about a model's output changes but its
+speed.
 
 `install` replaces a model's `nn.RoPE` and `nn.RMSNorm` modules (those exact classes, not
 a model's own variants) by subclasses that call the primitives where `fast_path.FastPath`

@@ -4,8 +4,10 @@ glibc's mmap threshold is left to adapt as glibc does by default. Pinned low, ev
 multi-MiB block (a batch's KV, a long chunk's activations) is mapped afresh and
 freed to the system at once: peak RSS fell, but each prefill chunk faulted its
 activations in anew and a long prompt prefilled markedly slower. Heaps are trimmed
-when the engine idles instead. Measurements behind the settings here are in
-bench/README.md ("Memory", and "glibc's mmap threshold and long prompts").
+when the engine idles instead. `python -m bench multiturn` and `python -m bench models`
+measure the peak and idle RSS these settings give (docs/performance.md, "Memory"); the
+prefill timings of each threshold came from a script no longer kept (bench/README.md as of
+c01f1a1, "Memory" and "glibc's mmap threshold and long prompts").
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def harness(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the harness sets its own
     sys.modules.pop("harness", None)
     import harness
 
@@ -54,3 +56,21 @@ def test_percentile_and_turn_hits(harness):
         call("w", 1, 1, 3, [], cached_tokens=4),
     ]
     assert harness.turn_hits(calls) == 0.5
+
+
+def test_a_server_that_exits_is_said_in_one_line_from_its_log(harness, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "Traceback (most recent call last):\n"
+        '  File "cli.py", line 1, in main\n'
+        "FetchUnavailable: no snapshot of the model on the local disk\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    url = f"http://127.0.0.1:{harness.free_port()}"
+    with pytest.raises(harness.ServerFailed) as failed:
+        harness.wait_ready(url, [proc], "ours server", log=log)
+    assert str(failed.value) == (
+        "ours server exited with 3: FetchUnavailable: no snapshot of the model on the local "
+        f"disk (its log: {log})"
+    )

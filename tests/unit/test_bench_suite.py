@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -44,3 +45,10 @@ def test_results_hold_each_workloads_file_and_the_embedded_plots_only():
     held = {p.name for p in (BENCH / "results").iterdir()}
     assert embedded <= held, "a plot the docs embed is missing"
     assert held - embedded <= results, "not a workload's result nor an embedded plot"
+
+
+def test_what_a_workload_needs_names_the_extra_that_installs_it():
+    module = suite()
+    pyproject = tomllib.loads((BENCH.parent / "pyproject.toml").read_text())
+    assert {m for w in module.WORKLOADS.values() for m in w.needs} <= set(module.EXTRA)
+    assert set(module.EXTRA.values()) <= set(pyproject["project"]["optional-dependencies"])
