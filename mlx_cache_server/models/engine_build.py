@@ -82,7 +82,7 @@ def build_engine(
         cache = PromptCache(settings.cache_max_sequences, settings.cache_max_bytes, disk, measure)
         if vision is not None and disk is not None:  # its sequences hold image ids
             vision.ids.keep_in(disk.folder / "image-ids")
-        if vision is not None:
+        if vision is not None and cache.byte_budget is not None:
             # The encoder's output kept for recent images is a cache too, of what their KV
             # is made from: its bytes come out of the cache's budget, not on top of it.
             share = vision.features.budget = min(vision.features.budget, cache.max_bytes // 4)

@@ -28,7 +28,8 @@ import os
 import threading
 from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from ..engine.sampling import NON_TEXT
 IMAGE_BASE = NON_TEXT  # image ids start here: above any vocabulary, within int32
 IMAGE_END = 1 << 31
 RESERVE = 1 << 16  # ids recorded as handed out at a time, before any of them is used
+RETIRED = 4096  # forgotten images whose places are still known (`ImageIds.placed`)
 
 
 @dataclass
@@ -78,6 +80,9 @@ class ImageIds:
         self._by_digest: OrderedDict[bytes, Image] = OrderedDict()
         self._firsts: list[int] = []  # the remembered images' first ids, sorted
         self._by_first: dict[int, Image] = {}
+        # The places of the last images forgotten (`placed`), oldest first.
+        self._retired: OrderedDict[int, Image] = OrderedDict()
+        self._retired_firsts: list[int] = []
         self.max_images = max_images
         self._log: Any = None  # the record `keep_in` opened
         self._reserved = IMAGE_END  # without a record, every id may be handed out
@@ -139,11 +144,16 @@ class ImageIds:
     def of(self, token: int) -> Image | None:
         """The remembered image one of whose ids is `token`, else None."""
         with self._lock:
-            i = bisect_right(self._firsts, token) - 1
-            image = self._by_first.get(self._firsts[i]) if i >= 0 else None
-        if image is None or not image.first <= token < image.first + image.count:
-            return None
-        return image
+            return _holding(token, self._firsts, self._by_first)
+
+    def placed(self, token: int) -> Image | None:
+        """The image one of whose ids is `token`, remembered or among the last `RETIRED`
+        forgotten (their ids, count and grid only): where an image stands in a sequence is
+        needed for as long as the sequence runs, which can outlast its request's hold by a
+        step (a request ends, then the engine drops it)."""
+        with self._lock:
+            image = _holding(token, self._firsts, self._by_first)
+            return image or _holding(token, self._retired_firsts, self._retired)
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -179,6 +189,12 @@ class ImageIds:
     def _forget(self, image: Image) -> None:
         del self._by_first[image.first]
         del self._firsts[bisect_left(self._firsts, image.first)]
+        self._retired[image.first] = Image(image.digest, None, image.first, image.count, 0,
+                                           image.grid)  # fmt: skip
+        insort(self._retired_firsts, image.first)
+        if len(self._retired) > RETIRED:
+            oldest, _ = self._retired.popitem(last=False)
+            del self._retired_firsts[bisect_left(self._retired_firsts, oldest)]
 
     def _record(self, line: str, durable: bool = False) -> None:
         if self._log is None:
@@ -187,6 +203,15 @@ class ImageIds:
         self._log.flush()
         if durable:
             os.fsync(self._log.fileno())
+
+
+def _holding(token: int, firsts: list[int], by_first: dict[int, Image]) -> Image | None:
+    """The image in `by_first` (`firsts`: its keys, sorted) one of whose ids is `token`."""
+    i = bisect_right(firsts, token) - 1
+    image = by_first.get(firsts[i]) if i >= 0 else None
+    if image is None or not image.first <= token < image.first + image.count:
+        return None
+    return image
 
 
 class Holds:
@@ -270,19 +295,23 @@ class ImageEmbedding(nn.Module):
         ids: ImageIds,
         features: Features,
         deepstack: Deepstack | None = None,
+        passes: Passes | None = None,
     ) -> None:
         super().__init__()
         self.text = text
         self.images, self.features = ids, features
         self.last_text_id = int(text.weight.shape[0]) - 1
         self.deepstack = deepstack if deepstack is not None else Deepstack()
+        self.passes = passes if passes is not None else Passes()
 
     def __call__(self, tokens: mx.array) -> mx.array:
         # A decode step's input is sampled tokens, never an image's: looking would wait for
-        # the step before it, which mlx-lm overlaps with this one. Clamped all the same: an
-        # id past the table would be read out of bounds (MLX checks none), not refused.
+        # the step before it, which mlx-lm overlaps with this one. A prompt's pass can be one
+        # token wide too (a chunk of one), so the width does not tell: `passes` does. Clamped
+        # all the same: an id past the table would be read out of bounds (MLX checks none).
         self.deepstack.additions = None  # each pass its own
-        if len(self.images) == 0 or tokens.shape[-1] == 1:
+        decoding = tokens.shape[-1] == 1 and not self.passes.prompt
+        if len(self.images) == 0 or decoding:
             return self.text(mx.minimum(tokens, self.last_text_id))
         host = np.asarray(tokens)
         at = host >= IMAGE_BASE
@@ -314,6 +343,23 @@ class ImageEmbedding(nn.Module):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.text.as_linear(x)
+
+
+class Passes:
+    """Whether the pass being run is over prompts, whose ids may be an image's, rather than
+    over decoded tokens, which never are: set by the engine's prompt passes (through the
+    model's `engine.positions` contexts), read by `ImageEmbedding`."""
+
+    def __init__(self) -> None:
+        self.prompt = False
+
+    @contextmanager
+    def prompting(self) -> Iterator[None]:
+        self.prompt = True
+        try:
+            yield
+        finally:
+            self.prompt = False
 
 
 class Deepstack:

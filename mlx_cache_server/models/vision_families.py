@@ -24,8 +24,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..engine.positions import PLAIN, Positions
-from .vision import Deepstack, DeepstackLayer, Image, ImageIds, pixel_digest
-from .vision_positions import ImagePositions, install_mrope
+from .vision import Deepstack, DeepstackLayer, Image, ImageIds, Passes, pixel_digest
+from .vision_positions import ImagePositions, PromptPositions, install_mrope
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,6 @@ class Gemma3Images:
     """Gemma 3: a fixed run of positions an image, framed by its start and end markers,
     at plain positions."""
 
-    positions: Positions = PLAIN
-
     def __init__(self, vlm: Any, processor: Any) -> None:
         self._vlm, self._processor = vlm, processor
         self.image_token = int(vlm.config.image_token_index)
@@ -58,9 +56,11 @@ class Gemma3Images:
             framed[end] if end < len(framed) else None,
         )
         self._count = end - start
+        self.positions: Positions = PLAIN
 
-    def open(self, model: nn.Module, ids: ImageIds, deepstack: Deepstack) -> None:
-        """Nothing to change in the language model."""
+    def open(self, model: nn.Module, ids: ImageIds, deepstack: Deepstack, passes: Passes) -> None:
+        """Nothing to change in the language model: its prompt passes are marked as such."""
+        self.positions = PromptPositions(passes)
 
     def prepare(self, images: list[Any]) -> list[Prepared]:
         out = self._processor.image_processor(images, return_tensors="np")["pixel_values"]
@@ -108,12 +108,12 @@ class QwenImages:
         self._levels = len(levels)
         self.positions: Positions = PLAIN
 
-    def open(self, model: nn.Module, ids: ImageIds, deepstack: Deepstack) -> None:
+    def open(self, model: nn.Module, ids: ImageIds, deepstack: Deepstack, passes: Passes) -> None:
         """The language model's RoPE made M-RoPE (`vision_positions`), and its first
         layers given the deepstack's levels to add."""
         if self._sections is None:
             raise ValueError("the model's rope_scaling gives no mrope_section")
-        positions = ImagePositions(ids)
+        positions = ImagePositions(ids, passes)
         layers = model.layers  # the language model's own list: changed in place
         install_mrope(layers, positions, self._sections, self._interleaved)
         for level in range(self._levels):

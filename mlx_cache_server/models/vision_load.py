@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..engine.positions import Positions
-from .vision import Deepstack, Features, Holds, ImageEmbedding, ImageIds
+from .vision import Deepstack, Features, Holds, ImageEmbedding, ImageIds, Passes
 from .vision_families import FAMILIES, Prepared
 
 log = logging.getLogger("mlx_cache_server")
@@ -125,10 +125,10 @@ def open_vision(
     mx.eval([v for k, v in tree_flatten(vlm.parameters()) if not k.startswith("language_model")])
     processor = load_processor(folder)
     images = kind(vlm, processor)
-    ids, deepstack = ImageIds(), Deepstack()
-    images.open(model, ids, deepstack)
+    ids, deepstack, passes = ImageIds(), Deepstack(), Passes()
+    images.open(model, ids, deepstack, passes)
     features = Features(images.encode, FEATURE_BYTES)
-    owner.embed_tokens = ImageEmbedding(text, ids, features, deepstack)
+    owner.embed_tokens = ImageEmbedding(text, ids, features, deepstack, passes)
     encoder = f"mlx-vlm {version('mlx-vlm')}"
     vision = Vision(processor, images, ids, features, limits or ImageLimits(), encoder)
     return vision, ""

@@ -25,23 +25,40 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..engine.positions import Rows
-from .vision import IMAGE_BASE, Image, ImageIds
+from .vision import IMAGE_BASE, Image, ImageIds, Passes
+
+
+class PromptPositions:
+    """`engine.positions.Positions` for a vision model whose positions are plain (Gemma 3):
+    no shift; a prompt's pass is marked as one (`Passes`)."""
+
+    def __init__(self, passes: Passes) -> None:
+        self._passes = passes
+
+    def shift(self, tokens: Sequence[int]) -> int:
+        return 0
+
+    def prefilling(self, rows: Rows) -> AbstractContextManager[None]:
+        return self._passes.prompting()
+
+    def decoding(self, shifts: Sequence[int]) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 class ImagePositions:
     """`engine.positions.Positions` for a model with M-RoPE; `offsets` is what the pass
     being run adds to each token's index: None (nothing), one shift a row (rows,), or
-    three a token (rows, tokens, 3)."""
+    three a token (rows, tokens, 3). A prompt's pass is marked as one (`Passes`)."""
 
-    def __init__(self, ids: ImageIds) -> None:
-        self._ids = ids
+    def __init__(self, ids: ImageIds, passes: Passes) -> None:
+        self._ids, self._passes = ids, passes
         self.offsets: mx.array | None = None
 
     def shift(self, tokens: Sequence[int]) -> int:
@@ -80,6 +97,11 @@ class ImagePositions:
 
     @contextmanager
     def prefilling(self, rows: Rows) -> Iterator[None]:
+        with self._passes.prompting(), self._offsets_for(rows):
+            yield
+
+    @contextmanager
+    def _offsets_for(self, rows: Rows) -> Iterator[None]:
         if len(self._ids) == 0:
             yield
             return
@@ -124,7 +146,7 @@ class ImagePositions:
             i = int(np.searchsorted(unique, image.first + image.count))
 
     def _image(self, token: int) -> Image:
-        image = self._ids.of(token)
+        image = self._ids.placed(token)
         if image is None:  # a request holds every image of its sequence: a bug if so
             raise ValueError("an image of this sequence is no longer registered")
         return image

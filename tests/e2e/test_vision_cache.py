@@ -53,3 +53,11 @@ def test_kept_image_features_come_out_of_the_caches_budget(attention_only):
         engine = server.engine
         assert engine.vision.features.budget == budget // 4
         assert engine.cache.max_bytes + engine.vision.features.budget == budget
+
+
+def test_an_unbounded_cache_stays_unbounded_beside_the_features(attention_only):
+    from mlx_cache_server.models.vision_load import FEATURE_BYTES
+
+    with serving(attention_only, cache_max_bytes=None, speculation=False) as server:
+        assert server.engine.cache.byte_budget is None
+        assert server.engine.vision.features.budget == FEATURE_BYTES

@@ -23,6 +23,7 @@ from mlx_cache_server.models.vision import (  # noqa: E402
     DeepstackLayer,
     Holds,
     ImageIds,
+    Passes,
 )
 from mlx_cache_server.models.vision_load import IMAGE, open_vision  # noqa: E402
 from mlx_cache_server.models.vision_positions import ImagePositions, frequency_axes  # noqa: E402
@@ -40,7 +41,7 @@ def registered(count: int, grid: tuple[int, int, int] | None, seed: int, ids: Im
 def test_offsets_by_hand():
     ids = ImageIds()
     image = registered(6, (1, 2, 3), 1, ids)  # 2 rows of 3: its span is 3, its count 6
-    positions = ImagePositions(ids)
+    positions = ImagePositions(ids, Passes())
     a, b = image.first, image.first + 5
     tokens = [7, 8, *range(a, b + 1), 9, 10]
     table = positions.offsets_of([], tokens)
@@ -61,19 +62,19 @@ def test_a_shift_counts_each_whole_image_each_time_and_not_one_cut_short():
     ids = ImageIds()
     image = registered(4, (1, 2, 2), 2, ids)  # span 2, count 4: each moves text by -2
     plain = registered(3, None, 3, ids)  # a run of plain positions moves nothing
-    positions = ImagePositions(ids)
+    positions = ImagePositions(ids, Passes())
     run = list(range(image.first, image.first + 4))
     assert positions.shift([1, *run, 2, *run, 3]) == -4
     assert positions.shift([1, *run, 2, *run[:3]]) == -2
     assert positions.shift([*range(plain.first, plain.first + 3), *run]) == -2
     assert positions.shift([1, 2, 3]) == 0
-    assert ImagePositions(ImageIds()).shift([1, IMAGE_BASE - 1]) == 0
+    assert ImagePositions(ImageIds(), Passes()).shift([1, IMAGE_BASE - 1]) == 0
 
 
 def test_a_pass_without_images_sets_one_shift_a_row_and_none_for_text():
     ids = ImageIds()
     image = registered(4, (1, 2, 2), 4, ids)
-    positions = ImagePositions(ids)
+    positions = ImagePositions(ids, Passes())
     run = list(range(image.first, image.first + 4))
     with positions.prefilling([([1, *run], [5, 6]), ([1, 2], [3])]):
         assert positions.offsets.tolist() == [-2, 0]
@@ -204,3 +205,31 @@ def test_gemma3_logits_equal_mlx_vlms(tmp_path):
     marked = text.replace("<start_of_image>", IMAGE + "<start_of_image>")
     tokens = vision.tokens(marked, vision.prepare(images), Holds(vision.ids))
     assert mx.allclose(model(mx.array([tokens])), expected, atol=1e-3).item()
+
+
+def test_a_forgotten_images_place_is_still_known_while_a_sequence_runs():
+    """A request's hold ends a step before the engine drops its sequence: its images may
+    be forgotten by then, and the sequence's next pass still needs where they stand."""
+    ids = ImageIds(max_images=1)
+    first = registered(4, (1, 2, 2), 5, ids)
+    registered(4, (1, 2, 2), 6, ids)
+    ids.release([first])  # past max_images: forgotten
+    run = list(range(first.first, first.first + 4))
+    assert ids.of(first.first) is None
+    positions = ImagePositions(ids, Passes())
+    assert positions.shift([1, *run, 2]) == -2
+    with positions.prefilling([([1, *run], [2, 3])]):
+        assert positions.offsets.tolist() == [-2]
+
+
+def test_a_prompt_pass_one_token_wide_embeds_its_image(qwen):
+    """A chunk of one token is a prompt's pass too (a busy batch cuts prompts that small):
+    its image positions get the image's features, not the text embedding a decode step's
+    sampled token gets."""
+    model, _, vision, _, _ = qwen
+    tokens, expected, _ = prompt(qwen)
+    cache = make_prompt_cache(model)
+    for at in range(len(tokens)):
+        with vision.positions.prefilling([(tokens[:at], tokens[at : at + 1])]):
+            last = model(mx.array([tokens[at : at + 1]]), cache=cache)[0, -1]
+    assert mx.allclose(last, expected[0, -1], atol=ATOL).item()
