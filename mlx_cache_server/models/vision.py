@@ -155,6 +155,20 @@ class ImageIds:
             image = _holding(token, self._firsts, self._by_first)
             return image or _holding(token, self._retired_firsts, self._retired)
 
+    def among(self, ids: np.ndarray, forgotten: bool = False) -> Iterator[Image]:
+        """The images some of `ids` (image ids, any order, repeats) are of, each once, in
+        the order of their ids: remembered ones, and with `forgotten` the places of those
+        `placed` still knows. A ValueError for an id of none: a request holds every image
+        of its sequence, so that is a bug."""
+        unique, i = np.unique(ids), 0  # sorted: an image's ids side by side
+        while i < len(unique):
+            token = int(unique[i])
+            image = self.placed(token) if forgotten else self.of(token)
+            if image is None:
+                raise ValueError("an image of this sequence is no longer registered")
+            yield image
+            i = int(np.searchsorted(unique, image.first + image.count))
+
     def __len__(self) -> int:
         return len(self._by_digest)
 
@@ -319,27 +333,17 @@ class ImageEmbedding(nn.Module):
             return self.text(tokens)
         embedded = self.text(mx.array(np.where(at, 0, host).astype(host.dtype)))
         parts, index, start = [], np.zeros(host.shape, dtype=np.int32), 0
-        ids, i = np.unique(host[at]), 0  # sorted: an image's ids side by side
-        while i < len(ids):
-            image = self._image(int(ids[i]))
-            end = image.first + image.count
-            mine = (host >= image.first) & (host < end)
+        for image in self.images.among(host[at]):
+            mine = (host >= image.first) & (host < image.first + image.count)
             index[mine] = start + host[mine] - image.first
             parts.append(self.features.of(image))
             start += image.count
-            i = int(np.searchsorted(ids, end))
         table, rows, mask = mx.concatenate(parts, axis=-2), mx.array(index), mx.array(at)[..., None]
         if table.ndim == 3:  # further levels, added to the first layers' output
             self.deepstack.additions = mx.where(mask, table[1:, rows], 0)
             table = table[0]
         images = table[rows].astype(embedded.dtype)
         return mx.where(mask, images, embedded)
-
-    def _image(self, token: int) -> Image:
-        image = self.images.of(token)
-        if image is None:  # a request holds every image it prefills: a bug if so
-            raise ValueError("an image of this prompt is no longer registered")
-        return image
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self.text.as_linear(x)

@@ -50,7 +50,7 @@ class Gemma3Images:
         self.marker = processor.boi_token
         self._expansion = processor.full_image_sequence
         framed = processor.tokenizer.encode(self._expansion, add_special_tokens=False)
-        start, end = _only_run(framed, self.image_token)
+        (start, end), *_ = token_runs(framed, self.image_token)
         self.frame = (
             framed[start - 1] if start else None,
             framed[end] if end < len(framed) else None,
@@ -162,10 +162,13 @@ FAMILIES: dict[str, type] = {
 }
 
 
-def _only_run(tokens: list[int], token: int) -> tuple[int, int]:
-    """The [start, end) of the first run of `token` in `tokens`."""
-    start = tokens.index(token)
-    end = start
-    while end < len(tokens) and tokens[end] == token:
-        end += 1
-    return start, end
+def token_runs(tokens: list[int], token: int) -> list[tuple[int, int]]:
+    """The [start, end) of each run of `token` in `tokens`."""
+    runs, start = [], None
+    for i, t in enumerate([*tokens, None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..engine.positions import Positions
 from .vision import Deepstack, Features, Holds, ImageEmbedding, ImageIds, Passes
-from .vision_families import FAMILIES, Prepared
+from .vision_families import FAMILIES, Prepared, token_runs
 
 log = logging.getLogger("mlx_cache_server")
 
@@ -150,19 +150,7 @@ def _framed_runs(
     before, after = frame
     return [
         (start, end)
-        for start, end in _runs(tokens, token)
+        for start, end in token_runs(tokens, token)
         if (before is None or (start > 0 and tokens[start - 1] == before))
         and (after is None or (end < len(tokens) and tokens[end] == after))
     ]
-
-
-def _runs(tokens: list[int], token: int) -> list[tuple[int, int]]:
-    """The [start, end) of each run of `token` in `tokens`."""
-    runs, start = [], None
-    for i, t in enumerate([*tokens, None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs

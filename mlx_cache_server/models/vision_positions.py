@@ -67,7 +67,7 @@ class ImagePositions:
         ids = np.asarray(tokens, dtype=np.int64)
         ids = ids[ids >= IMAGE_BASE]
         total = 0
-        for image in self._images(ids):
+        for image in self._ids.among(ids, forgotten=True):
             last = image.first + image.count - 1  # an image cut short moves nothing yet
             total += int(np.count_nonzero(ids == last)) * (image.span - image.count)
         return total
@@ -81,7 +81,7 @@ class ImagePositions:
         j = 0
         while j < len(at):
             i = int(at[j])
-            image = self._image(int(ids[i]))
+            (image,) = self._ids.among(ids[i : i + 1], forgotten=True)
             k = int(ids[i]) - image.first
             n = _run(ids, i, image)
             if image.grid is not None:
@@ -136,20 +136,6 @@ class ImagePositions:
             yield
         finally:
             self.offsets = None
-
-    def _images(self, ids: np.ndarray) -> Iterator[Image]:
-        """The images some of `ids` (all image ids) are of, each once."""
-        unique, i = np.unique(ids), 0  # sorted: an image's ids side by side
-        while i < len(unique):
-            image = self._image(int(unique[i]))
-            yield image
-            i = int(np.searchsorted(unique, image.first + image.count))
-
-    def _image(self, token: int) -> Image:
-        image = self._ids.placed(token)
-        if image is None:  # a request holds every image of its sequence: a bug if so
-            raise ValueError("an image of this sequence is no longer registered")
-        return image
 
 
 def _run(ids: np.ndarray, i: int, image: Image) -> int:
