@@ -50,9 +50,10 @@ class MessagesServing:
         return self.chat.engine.model_id if name.startswith("claude") else name
 
     async def create(self, req: MessagesRequest, request: Request, tenant: str | None) -> Any:
-        chat = await off_loop(to_chat, req, reader_for(self.chat.engine.vision))
+        images = reader_for(self.chat.engine.vision)  # checked in the translation, kept opened
+        chat = await off_loop(to_chat, req, images)
         chat.model = self.served_as(req.model)
-        run = await self.chat.start(chat, tenant, route=ROUTE)
+        run = await self.chat.start(chat, tenant, route=ROUTE, images=images)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if req.stream:
             return EventStream(_stream(run, mid, req.model))
@@ -85,7 +86,8 @@ class MessagesServing:
         }
 
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, int]:
-        chat = await off_loop(to_chat, req, reader_for(self.chat.engine.vision))
+        images = reader_for(self.chat.engine.vision)
+        chat = await off_loop(to_chat, req, images)
         chat.model = self.served_as(req.model)
         engine = self.chat.engine
         check_model(chat.model, engine, self.chat.aliases)
@@ -97,7 +99,7 @@ class MessagesServing:
         )
         strip = self.chat.settings.strip_attribution_header
         kwargs = self.chat.settings.chat_template_kwargs
-        tokens = await off_loop(render, engine, chat, tools, strip, kwargs)
+        tokens = await off_loop(render, engine, chat, tools, strip, kwargs, images)
         return {"input_tokens": len(tokens)}
 
 

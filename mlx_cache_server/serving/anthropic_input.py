@@ -55,7 +55,7 @@ def to_chat(req: MessagesRequest, images: ImageReader | None = None) -> ChatComp
     results, are images; otherwise each is a line saying one was there."""
     messages: list[dict[str, Any]] = []
     if req.system:
-        messages.append({"role": "system", "content": _text(req.system, "system")})
+        messages.append({"role": "system", "content": _system(req.system)})
     for i, m in enumerate(req.messages):
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts, calls, thoughts = [], [], []
@@ -197,6 +197,16 @@ def _block_text(block: dict[str, Any], where: str) -> str | None:
             body = "[A document was attached here; this server passes text only.]"
         return f"{block['title']}\n{body}" if isinstance(block.get("title"), str) else body
     return None
+
+
+def _system(system: str | list[dict[str, Any]]) -> str:
+    """The system prompt's text: Anthropic's API takes a string or text blocks there, and
+    refuses any other block (an image among them, say) rather than reading it as text."""
+    for j, block in enumerate(system if isinstance(system, list) else []):
+        if block.get("type") != "text":
+            raise APIError(400, "The system prompt takes text blocks only; got a "
+                           f"{block.get('type')!r} block.", param=f"system[{j}]")  # fmt: skip
+    return _text(system, "system")
 
 
 def _text(blocks: Any, param: str) -> str:

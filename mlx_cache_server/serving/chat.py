@@ -27,7 +27,7 @@ from .generation import (
     until_disconnected,
 )
 from .harmony import HarmonySplit, is_harmony
-from .images import held_until
+from .images import ImageReader, held_until
 from .limits import (
     check_model,
     check_prompt_chars,
@@ -101,11 +101,13 @@ class ChatCompletionsServing(Surface):
         req: ChatCompletionRequest,
         tenant: str | None,
         route: str = ROUTE,
+        images: ImageReader | None = None,
     ) -> Run:
         """Check a chat request, render it, and start its generation.
 
         What the chat surfaces share: Anthropic's Messages API translates its
-        request into a chat request and starts it here.
+        request into a chat request and starts it here, with the reader that checked its
+        images (`images`).
         """
         engine, settings = self.engine, self.settings
         check_model(req.model, engine, self.aliases)
@@ -138,7 +140,7 @@ class ChatCompletionsServing(Surface):
                 )
             tokens, marks = await off_loop(
                 render_marked, engine, req, tools, settings.strip_attribution_header,
-                settings.chat_template_kwargs, holds,
+                settings.chat_template_kwargs, holds, images,
             )  # fmt: skip
             params = sampling_params(
                 req,

@@ -41,9 +41,15 @@ class ImageReader:
     def __init__(self, limits: ImageLimits) -> None:
         self.limits = limits
         self.read = 0  # images read: one reader per request, counted before each is decoded
+        # The data URLs a translation (Messages, Responses) checked, with their images: the
+        # render that follows takes them from here rather than decoding them again.
+        self.checked: dict[str, Image.Image] = {}
 
     def image(self, url: Any, param: str) -> Image.Image:
-        """The image a URL names (`data:` or, where allowed, `http(s)`)."""
+        """The image a URL names (`data:` or, where allowed, `http(s)`); one this reader has
+        checked already is not read again."""
+        if isinstance(url, str) and url in self.checked:
+            return self.checked[url]
         self._count()
         return self._opened(self._bytes(url, param), param)
 
@@ -53,10 +59,13 @@ class ImageReader:
         self._count()
         raw = self._bytes(url, param)
         image = self._opened(raw, param)
-        if isinstance(url, str) and url.startswith("data:"):
-            return url
-        media = Image.MIME.get(image.format or "", "image/png")
-        return f"data:{media};base64,{base64.b64encode(raw).decode()}"
+        if not url.startswith("data:"):  # `_bytes` took it: a string
+            # The opened image is its RGB copy, which has no format: read it off the header.
+            media = Image.MIME.get(Image.open(io.BytesIO(raw), formats=FORMATS).format or "",
+                                   "image/png")  # fmt: skip
+            url = f"data:{media};base64,{base64.b64encode(raw).decode()}"
+        self.checked[url] = image
+        return url
 
     def base64_data_url(self, media_type: Any, data: Any, param: str) -> str:
         """The data URL of base64 image `data` of `media_type` (Anthropic's), checked."""
@@ -66,8 +75,9 @@ class ImageReader:
                 "image/webp.", param=param.rsplit(".", 1)[0] + ".media_type",
             )  # fmt: skip
         self._count()
-        self._opened(_decoded(data, param), param)
-        return f"data:{media_type};base64,{data}"
+        url = f"data:{media_type};base64,{data}"
+        self.checked[url] = self._opened(_decoded(data, param), param)
+        return url
 
     def _count(self) -> None:
         """A 400 past the limit of images in a request, before the next one is decoded."""

@@ -80,8 +80,9 @@ class ResponsesServing:
         whole = req.model_copy(update={"input": conversation, "previous_response_id": None})
         # Custom tools' grammars are read and checked in the translation: grammar work.
         translate = compiling if _grammars_in(offered_tools(whole)) else off_loop
-        chat, offered = await translate(to_chat, whole, reader_for(self.chat.engine.vision))
-        run = await self.chat.start(chat, tenant, route=ROUTE)
+        images = reader_for(self.chat.engine.vision)  # checked in the translation, kept opened
+        chat, offered = await translate(to_chat, whole, images)
+        run = await self.chat.start(chat, tenant, route=ROUTE, images=images)
         response = _Response(req, f"resp_{uuid.uuid4().hex[:24]}", int(time.time()), offered)
         if stores:
             response.on_done = lambda items: _put(stores, tenant, response.id,

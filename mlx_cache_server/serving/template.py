@@ -86,10 +86,11 @@ def render(
     tools: ToolPlan,
     strip_attribution: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    reader: ImageReader | None = None,
 ) -> list[int]:
     """The prompt's tokens: the messages (and tools) through the model's chat template,
     with the model's configured template variables (`enable_thinking`, say)."""
-    return render_marked(engine, req, tools, strip_attribution, template_kwargs)[0]
+    return render_marked(engine, req, tools, strip_attribution, template_kwargs, None, reader)[0]
 
 
 def render_marked(
@@ -99,18 +100,22 @@ def render_marked(
     strip_attribution: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     holds: Holds | None = None,
+    reader: ImageReader | None = None,
 ) -> tuple[list[int], tuple[int, ...]]:
     """`render`'s tokens, and for a hybrid model where its messages end among them. The
     images a vision model's prompt registers go on `holds`, which the caller releases when
     the request ends (`ImageIds.release`); without `holds`, they are released here (a
-    prompt only counted, never prefilled)."""
+    prompt only counted, never prefilled). `reader` is the one a translated request's
+    images were checked with (`to_chat`), which keeps them opened."""
     if holds is None and engine.vision is not None:
         held = Holds(engine.vision.ids)
         try:
-            return render_marked(engine, req, tools, strip_attribution, template_kwargs, held)
+            return render_marked(
+                engine, req, tools, strip_attribution, template_kwargs, held, reader
+            )
         finally:
             held.release()
-    reader = reader_for(engine.vision)
+    reader = reader or reader_for(engine.vision)
     images: list[Any] | None = [] if reader is not None else None
     messages = [
         template_message(m, i, images, engine.no_images, reader) for i, m in enumerate(req.messages)

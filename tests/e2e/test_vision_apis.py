@@ -9,6 +9,7 @@ import anthropic
 import openai
 import pytest
 
+from mlx_cache_server.serving.images import ImageReader
 from tests.e2e.test_vision import BEFORE_IMAGE, png
 from tests.live import serving
 from tests.vision_models import build_gemma3_vision, build_qwen3_vl_vision
@@ -101,6 +102,44 @@ def test_a_bad_image_block_is_a_400_naming_its_field(servers):
     with pytest.raises(anthropic.BadRequestError, match="base64"):
         client.messages.create(model="m", max_tokens=4,
                                messages=[{"role": "user", "content": [url]}])  # fmt: skip
+
+
+def test_an_image_in_the_system_prompt_is_a_400(servers):
+    """Anthropic's system prompt takes text blocks only: an image there is refused, not
+    turned into a line of text."""
+    client = anthropic.Anthropic(base_url=servers[0].url, api_key="x", max_retries=0)
+    system = [{"type": "text", "text": "Be brief."}, image_block(26)]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="m", max_tokens=4, system=system,  # type: ignore[arg-type]
+                               messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+    assert "system[1]" in str(e.value)
+
+
+def test_a_translated_image_is_decoded_once(servers, monkeypatch):
+    """Messages and Responses check each image in their translation (so a bad one's 400
+    names the client's field); the render takes the opened image from there."""
+    cached, _ = servers
+    opened = []
+    real = ImageReader._opened
+
+    def counted(self, raw, param):
+        opened.append(param)
+        return real(self, raw, param)
+
+    monkeypatch.setattr(ImageReader, "_opened", counted)
+    messages_turns(cached, [[image_block(27), {"type": "text", "text": "Describe."}]])
+    assert opened == ["messages[0].content[0].source.data"]
+    opened.clear()
+    client = openai.OpenAI(base_url=cached.url + "/v1", api_key="x", max_retries=0)
+    part = {"type": "input_image", "image_url": png(27)}
+    client.responses.create(model="m", input=[{"role": "user", "content": [part]}],
+                            max_output_tokens=4, temperature=0)  # fmt: skip
+    assert opened == ["input[0][0].image_url"]
+    opened.clear()
+    counting = anthropic.Anthropic(base_url=cached.url, api_key="x", max_retries=0)
+    turn = {"role": "user", "content": [image_block(27)]}
+    counting.messages.count_tokens(model="m", messages=[turn])  # type: ignore[list-item]
+    assert opened == ["messages[0].content[0].source.data"]
 
 
 def responses_turns(server, first: list) -> list:
