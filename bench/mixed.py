@@ -62,8 +62,22 @@ def first_token(client: OpenAI, model: str, messages: list[dict], ban: dict) -> 
     return ttft or time.perf_counter() - t0, time.perf_counter()
 
 
-def stream_times(client: OpenAI, model: str, i: int, out: list[float], ready: threading.Event):
-    messages = [{"role": "user", "content": f"Stream {i}: write a long story about the sea."}]
+# A stream's story is new to the server every round: a prompt asked again would be drafted
+# from its earlier reply (`engine/drafting.py`), decoding faster than a new one.
+SUBJECTS = ["the sea", "a lighthouse", "a mountain village", "a desert caravan", "a clockmaker",
+            "a lost dog", "a winter forest", "a space station", "a river barge", "an old library",
+            "a night train", "a beekeeper", "a volcano island", "a chess tournament",
+            "a city garden", "a storm at sea"]  # fmt: skip
+
+
+def stories(r: int, streams: int) -> list[str]:
+    """Round `r`'s streams' prompts."""
+    ids = range(r * streams, (r + 1) * streams)
+    return [f"Stream {i}: write a long story about {SUBJECTS[i % len(SUBJECTS)]}." for i in ids]
+
+
+def stream_times(client: OpenAI, model: str, text: str, out: list[float], ready: threading.Event):
+    messages = [{"role": "user", "content": text}]
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=400, temperature=0, stream=True
     )
@@ -84,8 +98,7 @@ def measure(kind: str, model: str, args) -> dict:
         client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", timeout=3600)
         first_token(client, name, [{"role": "user", "content": "Hi."}], args.ban)  # warm up
         for r in range(args.rounds):
-            seeds = (10 * r + 1, 10 * r + 2, 10 * r + 3)
-            rounds.append(one_round(client, name, args, seeds))
+            rounds.append(one_round(client, name, args, r))
             print(kind, r, {k: round(v, 3) for k, v in rounds[-1].items() if v is not None})
     # A round in which no stream sent a token has no gaps (None): left out, not a crash.
     out = {key: _median([x[key] for x in rounds]) for key in rounds[0]}
@@ -99,15 +112,16 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def one_round(client: OpenAI, name: str, args, seeds: tuple[int, int, int]) -> dict:
-    """A long prompt's TTFT alone, another's beside the streams (and their gaps), and a
-    third's alone again."""
+def one_round(client: OpenAI, name: str, args, r: int) -> dict:
+    """Round `r`: a long prompt's TTFT alone, another's beside the streams (and their gaps),
+    and a third's alone again."""
+    seeds = (10 * r + 1, 10 * r + 2, 10 * r + 3)
     first, _ = first_token(client, name, long_prompt(args.words, seeds[0]), args.ban)
     times: list[list[float]] = [[] for _ in range(args.streams)]
     readies = [threading.Event() for _ in range(args.streams)]
     threads = [
-        threading.Thread(target=stream_times, args=(client, name, i, times[i], readies[i]))
-        for i in range(args.streams)
+        threading.Thread(target=stream_times, args=(client, name, text, times[i], readies[i]))
+        for i, text in enumerate(stories(r, args.streams))
     ]
     for t in threads:
         t.start()

@@ -10,14 +10,18 @@ Two workloads through the `openai` SDK, greedy, streamed with usage:
 
   edit  a prompt holding a source file of this repository (~1,500 tokens) and the
         instruction to return it whole with one name changed: the reply copies the
-        prompt, which is what prompt lookup drafts from; 1 stream, then 4 at once, then
-        8 (the four files twice)
+        prompt, which is what prompt lookup drafts from; 4 one at a time, then 4 at
+        once, then 8 at once
   chat  short questions whose answers the prompt does not hold: speculation must not
         make these slower
   mixed one edit and three chat questions at once (the edit's tokens/s as "mixed-edit",
         the chats' as "mixed-chat")
   sharegpt  with `--sharegpt N`: the first user messages of N ShareGPT conversations
         (`sharegpt.conversations`), 4 at once, 200 tokens: ordinary chat in a batch
+
+No prompt is asked twice of a server, across workloads and rounds (`rounds_of`): each
+edit is of another file, each question another question. A prompt asked again would be
+drafted from its earlier reply, which is a retry's speed, not an edit's or a chat's.
 
 Reported per server and workload: decode tokens/s per stream (completion tokens after the
 first over the time from the first to the last content chunk), median over the requests;
@@ -50,6 +54,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_cache_server.runtime.blas import use_openblas
@@ -64,15 +69,72 @@ from openai import OpenAI
 from mlx_cache_server.models.default_model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = [
-    "mlx_cache_server/engine/drafting.py",
-    "mlx_cache_server/engine/speculative.py",
-    "mlx_cache_server/prompt_cache/eviction.py",
-    "mlx_cache_server/engine/placement.py",
-]
 WORKLOADS = ["edit-1", "edit-4", "edit-8", "chat-1", "mixed-edit", "mixed-chat", "sharegpt"]
-QUESTIONS = ["Why is the sky blue?", "Name three uses of copper.", "What is a prime number?",
-             "How do bees make honey?"]  # fmt: skip
+# Each prompt is asked once of each server: a prompt asked again is drafted from the reply
+# it got before (`engine/drafting.py` looks in a tenant's recent replies, as llama.cpp's
+# ngram-mod keeps its n-grams across requests), which measures a retry, not an edit or a
+# chat. So every edit is of a different file, and the questions are many: a warm-up, then
+# 4 alone and 3 beside an edit a round, for up to 4 rounds.
+QUESTIONS = [
+    "Say hello.", "Why is the sky blue?", "Name three uses of copper.",
+    "What is a prime number?", "How do bees make honey?", "Why do leaves change color?",
+    "What causes the tides?", "How does a rainbow form?", "What is photosynthesis?",
+    "Why is the ocean salty?", "How do vaccines work?", "What is a black hole?",
+    "Why do cats purr?", "How is glass made?", "What causes earthquakes?",
+    "How do airplanes stay in the air?", "What is inflation in economics?",
+    "Why do we dream?", "How does a compass work?", "What is the water cycle?",
+    "Why do onions make people cry?", "How are clouds formed?", "What is a volcano?",
+    "How do plants drink water?", "Why is the moon's shape changing?",
+    "What is electricity?", "How do fish breathe?", "Why does bread rise?",
+    "What makes thunder?",
+]  # fmt: skip
+EDITS_A_ROUND = 4 + 4 + 8 + 1  # edit-1, edit-4, edit-8, mixed
+
+
+@dataclass
+class Round:
+    """One round's prompts, none of them asked before."""
+
+    edit_1: list[list[dict]]  # one at a time
+    edit_4: list[list[dict]]  # 4 at once
+    edit_8: list[list[dict]]  # 8 at once
+    chats: list[list[dict]]  # one at a time
+    mixed: list[list[dict]]  # an edit and three questions at once
+    shared: list[list[dict]]  # ShareGPT questions, 4 at once
+
+
+def rounds_of(count: int, sharegpt: int) -> list[Round]:
+    if 1 + 7 * count > len(QUESTIONS):
+        sys.exit(f"speculation: --rounds {count} would ask a question twice (at most "
+                 f"{(len(QUESTIONS) - 1) // 7} rounds)")  # fmt: skip
+    edits = iter([edit_prompt(f) for f in edit_files(EDITS_A_ROUND * count)])
+    asks = iter([[{"role": "user", "content": q}] for q in QUESTIONS[1:]])
+    said: list[list[str]] = []
+    if sharegpt:
+        from sharegpt import conversations
+
+        said = conversations(sharegpt * count, 1, 300)
+    shared = iter([[{"role": "user", "content": turns[0]}] for turns in said])
+
+    def take(it: Iterator, n: int) -> list:
+        return [next(it) for _ in range(n)]
+
+    return [Round(take(edits, 4), take(edits, 4), take(edits, 8), take(asks, 4),
+                  [*take(edits, 1), *take(asks, 3)], take(shared, sharegpt))
+            for _ in range(count)]  # fmt: skip
+
+
+def edit_files(count: int) -> list[str]:
+    """`count` source files of this package, in path order, each holding a function in its
+    first 5,000 characters (what an edit prompt takes of it) and no shorter than that."""
+    paths = []
+    for path in sorted((ROOT / "mlx_cache_server").rglob("*.py")):
+        text = path.read_text()
+        if len(text) >= 5000 and re.search(r"def (\w+)", text[:5000]):
+            paths.append(str(path.relative_to(ROOT)))
+    if len(paths) < count:
+        sys.exit(f"speculation: {count} files to edit wanted, {len(paths)} found")
+    return paths[:count]
 
 
 def edit_prompt(path: str) -> list[dict]:
@@ -276,14 +338,7 @@ def main() -> None:
         pass_cost(rows=tuple(int(n) for n in args.pass_rows.split(",")))
         return
     model = str(default_model_dir())
-    edits = [edit_prompt(f) for f in FILES]
-    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    shared = []
-    if args.sharegpt:
-        from sharegpt import conversations
-
-        said = conversations(args.sharegpt, 1, 300)
-        shared = [[{"role": "user", "content": turns[0]}] for turns in said]
+    rounds = rounds_of(args.rounds, args.sharegpt)
     servers: dict = {"ours": [], "ours-plain": ["--no-speculation"], "peer": None}
     kinds = {"ours-before": f"ours@{args.ours_at}"} if args.ours_at else {}
     if args.ours_at:
@@ -306,24 +361,24 @@ def main() -> None:
             served = model if kind == "peer" else "bench"
         with server as started:
             url = started if kind == "llama" else f"http://127.0.0.1:{started.port}"
-            one(url, served, chats[0], 8, [])  # warm up
+            one(url, served, [{"role": "user", "content": QUESTIONS[0]}], 8, [])  # warm up
             row: dict = {w: [] for w in WORKLOADS}
             # ours: each workload's drafts (the mixed one's as "mixed")
             grown: dict | None = {} if kind == "ours" else None
-            for _ in range(args.rounds):
-                for prompt in edits:
+            for this in rounds:
+                for prompt in this.edit_1:
                     row["edit-1"] += counted(url, served, [prompt], args.tokens, grown, "edit-1")
-                row["edit-4"] += counted(url, served, edits, args.tokens, grown, "edit-4")
-                row["edit-8"] += counted(url, served, edits + edits, args.tokens, grown, "edit-8")
-                for prompt in chats:
+                row["edit-4"] += counted(url, served, this.edit_4, args.tokens, grown, "edit-4")
+                row["edit-8"] += counted(url, served, this.edit_8, args.tokens, grown, "edit-8")
+                for prompt in this.chats:
                     row["chat-1"] += counted(url, served, [prompt], args.tokens // 2, grown,
                                              "chat-1")  # fmt: skip
-                mixed = counted(url, served, [edits[0], *chats[1:]], args.tokens, grown, "mixed")
+                mixed = counted(url, served, this.mixed, args.tokens, grown, "mixed")
                 row["mixed-edit"] += [r for r in mixed if r["prompt"] == 0]
                 row["mixed-chat"] += [r for r in mixed if r["prompt"] != 0]
-                for at in range(0, len(shared), 4):
-                    row["sharegpt"] += counted(url, served, shared[at : at + 4], args.tokens // 2,
-                                               grown, "sharegpt")  # fmt: skip
+                for at in range(0, len(this.shared), 4):
+                    row["sharegpt"] += counted(url, served, this.shared[at : at + 4],
+                                               args.tokens // 2, grown, "sharegpt")  # fmt: skip
             if kind == "ours":
                 row["drafts"] = drafts(url)
                 row["acceptance"] = {w: acceptance(g) for w, g in (grown or {}).items()}

@@ -3,8 +3,9 @@
 Starts our server (OpenBLAS preloaded, as multiturn.py does) and, through the
 `openai` SDK:
 
-1. Decode speed with and without a JSON-schema constraint: the same questions,
-   greedy, streamed, constrained and free requests alternating; per-token decode
+1. Decode speed with and without a JSON-schema constraint: questions of the same shape
+   (each asked once: another city each time), greedy, streamed, constrained and free
+   requests alternating; per-token decode
    time is (last token - first token) / (tokens - 1), so prefill does not count.
 2. A 6-turn tool conversation (a forced call, its result, an answer, then the
    next question): each request's cached share of its prompt, and whether it
@@ -44,7 +45,9 @@ SCHEMA = {
     "required": ["city", "country", "population_millions", "landmarks"],
     "additionalProperties": False,
 }
-CITIES = ["Paris", "Rome", "Madrid", "Berlin", "Vienna", "Lisbon", "Prague", "Dublin"]
+CITIES = ["Paris", "Rome", "Madrid", "Berlin", "Vienna", "Lisbon", "Prague", "Dublin",
+          "Oslo", "Warsaw", "Athens", "Brussels", "Budapest", "Helsinki", "Stockholm",
+          "Copenhagen"]  # fmt: skip
 WEATHER = {
     "type": "function",
     "function": {
@@ -91,14 +94,21 @@ def per_token(client: OpenAI, city: str, constrained: bool) -> tuple[float, int]
     return (last - first) / max(tokens - 1, 1), tokens
 
 
+def asked(rounds: int) -> list[tuple[str, bool]]:
+    """Each round's two questions, (city, constrained), free or constrained first by turns.
+    Each city once: a question asked again would be drafted from its earlier reply."""
+    if 2 * rounds > len(CITIES):
+        sys.exit(f"structured: --rounds {rounds} would ask of a city twice (at most "
+                 f"{len(CITIES) // 2})")  # fmt: skip
+    order = [(False, True) if i % 2 == 0 else (True, False) for i in range(rounds)]
+    return [(CITIES[2 * i + c], c) for i, pair in enumerate(order) for c in pair]
+
+
 def decode_cost(client: OpenAI, rounds: int) -> dict:
     free, constrained = [], []
-    for i in range(rounds):
-        city = CITIES[i % len(CITIES)]
-        order = (False, True) if i % 2 == 0 else (True, False)
-        for c in order:
-            seconds, _ = per_token(client, city, c)
-            (constrained if c else free).append(seconds)
+    for city, c in asked(rounds):
+        seconds, _ = per_token(client, city, c)
+        (constrained if c else free).append(seconds)
     f, c = statistics.median(free), statistics.median(constrained)
     return {"free_ms_per_token": f * 1000, "constrained_ms_per_token": c * 1000, "ratio": c / f}
 
