@@ -103,12 +103,9 @@ class ChatCompletionsServing(Surface):
         route: str = ROUTE,
         images: ImageReader | None = None,
     ) -> Run:
-        """Check a chat request, render it, and start its generation.
-
-        What the chat surfaces share: Anthropic's Messages API translates its
-        request into a chat request and starts it here, with the reader that checked its
-        images (`images`).
-        """
+        """Check a chat request, render it, and start its generation: what the chat surfaces
+        share (Messages and Responses translate theirs and start it here, with the reader
+        that checked their images, `images`)."""
         engine, settings = self.engine, self.settings
         check_model(req.model, engine, self.aliases)
         if len(req.messages) > settings.max_messages:
