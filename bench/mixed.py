@@ -62,8 +62,9 @@ def first_token(client: OpenAI, model: str, messages: list[dict], ban: dict) -> 
     return ttft or time.perf_counter() - t0, time.perf_counter()
 
 
-# A stream's story is new to the server every round: a prompt asked again would be drafted
-# from its earlier reply (`engine/drafting.py`), decoding faster than a new one.
+# A stream's story is new to the server every round (for up to 16 streams in all): a prompt
+# asked again would be drafted from its earlier reply (`engine/drafting.py`), decoding
+# faster than a new one.
 SUBJECTS = ["the sea", "a lighthouse", "a mountain village", "a desert caravan", "a clockmaker",
             "a lost dog", "a winter forest", "a space station", "a river barge", "an old library",
             "a night train", "a beekeeper", "a volcano island", "a chess tournament",

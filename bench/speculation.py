@@ -89,6 +89,7 @@ QUESTIONS = [
     "What makes thunder?",
 ]  # fmt: skip
 EDITS_A_ROUND = 4 + 4 + 8 + 1  # edit-1, edit-4, edit-8, mixed
+QUESTIONS_A_ROUND = 4 + 3  # chat-1, mixed
 
 
 @dataclass
@@ -104,9 +105,10 @@ class Round:
 
 
 def rounds_of(count: int, sharegpt: int) -> list[Round]:
-    if 1 + 7 * count > len(QUESTIONS):
+    """`count` rounds' prompts, each new: QUESTIONS[0] is the warm-up's."""
+    if 1 + QUESTIONS_A_ROUND * count > len(QUESTIONS):
         sys.exit(f"speculation: --rounds {count} would ask a question twice (at most "
-                 f"{(len(QUESTIONS) - 1) // 7} rounds)")  # fmt: skip
+                 f"{(len(QUESTIONS) - 1) // QUESTIONS_A_ROUND} rounds)")  # fmt: skip
     edits = iter([edit_prompt(f) for f in edit_files(EDITS_A_ROUND * count)])
     asks = iter([[{"role": "user", "content": q}] for q in QUESTIONS[1:]])
     said: list[list[str]] = []
