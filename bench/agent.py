@@ -44,6 +44,7 @@ from harness import WORDS, running
 from openai import AsyncOpenAI
 
 from mlx_cache_server.models.default_model import default_model_dir
+from mlx_cache_server.serving import prompted_tools
 
 TOOLS = {
     "Read": {"file_path": "string", "offset": "integer", "limit": "integer"},
@@ -164,38 +165,27 @@ def responses_request(system: str, s: Session, upto: int) -> dict:
     return {"instructions": system, "input": items}
 
 
-def calls_as_text(calls: list[dict]) -> str:
-    """Tool calls written as the forced call's own compact JSON, as our server wrote them for a
-    template without tools when this workload's figures were taken (the server's function of
-    that name is gone; the peer's prompts stay what they were)."""
-    out = []
-    for call in calls:
-        function = call["function"]
-        body = {"name": function["name"], "arguments": json.loads(function["arguments"])}
-        out.append(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
-    return "".join(out)
-
-
 def chat_messages(system: str, head: str | None, s: Session, upto: int) -> list[dict]:
     """What our servers render for either request, as chat messages for mlx_lm.server.
 
-    The default model's template knows no tools, so a call is written into the
-    assistant's text as our server writes it (`calls_as_text`).
+    The default model's template knows no tools, so our server writes calls and results
+    in its own protocol (`prompted_tools.history`); the peer is given that same text, so
+    both prefill the same prompt (the run checks it: `prompt_lengths_agree`).
     """
     messages = [
         {"role": "system", "content": f"{head}\n\n{system}" if head else system},
         {"role": "user", "content": s.task},
     ]
     for i, turn in enumerate(s.turns[:upto]):
-        function = {"name": turn["name"], "arguments": json.dumps(turn["input"])}
+        function = {"name": turn["name"], "arguments": turn["input"]}
         call = {"id": f"call_{i:04d}", "type": "function", "function": function}
         messages += [
-            {"role": "assistant", "content": turn["thought"] + calls_as_text([call])},
+            {"role": "assistant", "content": turn["thought"], "tool_calls": [call]},
             {"role": "tool", "tool_call_id": call["id"], "content": turn["result"]},
         ]
         if turn["user"]:
             messages.append({"role": "user", "content": turn["user"]})
-    return messages
+    return prompted_tools.history(messages, [])
 
 
 async def via_messages(port: int, request: dict, max_tokens: int, out: Turn) -> None:
