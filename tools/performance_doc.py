@@ -197,20 +197,14 @@ def number(x: Any) -> str:
 
 
 def machine(result: dict) -> str:
-    m = result.get("machine") or {}
-    if not m.get("cpu"):
-        return "unknown"
+    m = result["machine"]
     memory = f", {m['memory'] / 2**30:.0f} GiB" if m.get("memory") else ""
     return f"{m['cpu']}, {m['cores']} cores{memory}"
 
 
 def commit(result: dict) -> str:
-    """The commit measured (+ if its tree had changes), or unknown and the commit that last
-    wrote a result from before provenance."""
-    if result.get("commit"):
-        return result["commit"][:9] + ("+" if result.get("dirty") else "")
-    written = result.get("committed_in")
-    return f"unknown (file from {written[:9]})" if written else "unknown"
+    """The commit measured, + if its tree had changes."""
+    return result["commit"][:9] + ("+" if result["dirty"] else "")
 
 
 def row(f: Figure, result: dict) -> str | None:
@@ -239,9 +233,7 @@ def render() -> str:
            "[bench/results/](../bench/results/): each figure is a median of its run, its ratio "
            "the ours column over the one it is compared with (below 1: ours takes less), and "
            "the command reproduces it (the run's exact arguments are in its result file, "
-           "`args`). A commit or machine written as unknown belongs to a result measured "
-           "before results carried their provenance; its file says which commit last wrote "
-           "it. [bench/README.md](../bench/README.md) says what each workload does.",
+           "`args`). [bench/README.md](../bench/README.md) says what each workload does.",
            ""]  # fmt: skip
     for question, figures in FIGURES.items():
         out += [f"## {question[0].upper()}{question[1:]}", "",

@@ -37,7 +37,10 @@ def test_each_result_carries_the_envelope_and_stays_small(path, envelope):
     assert not missing, f"{path.name} lacks {missing}"
     assert set(envelope.MACHINE_FIELDS) <= set(result["machine"])
     assert result["summary"], "a result holds figures"
-    if result["commit"] is None:  # provenance not known is said so, not left blank
+    if path.parent.parent.name == "bench":  # a benchmark's figure names what measured it
+        assert len(result["commit"]) == 40 and isinstance(result["dirty"], bool)
+        assert result["machine"]["cpu"] and result["machine"]["cores"]
+    elif result["commit"] is None:  # an example's provenance not known is said so
         assert result.get("note")
 
 
