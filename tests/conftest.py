@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,6 +15,20 @@ from mlx_cache_server.runtime.blas import use_openblas
 use_openblas()
 
 from tests.tiny_model import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture
+def bench_script(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], object]:
+    """Import a script of bench/ afresh, by name: the scripts import each other as top-level
+    modules, and the harness sets its own excepthook, put back after the test."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+
+    def load(name: str) -> object:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        return importlib.import_module(name)
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -7,25 +7,15 @@ messages."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def agent(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the harness sets its own
-    monkeypatch.delitem(sys.modules, "agent", raising=False)
-    import agent
-
-    return agent
+def agent(bench_script):
+    return bench_script("agent")
 
 
 def test_the_peer_is_given_the_prompt_our_server_renders(agent, agent_server):
@@ -36,20 +26,19 @@ def test_the_peer_is_given_the_prompt_our_server_renders(agent, agent_server):
     upto = 6  # five results, one of them followed by a user's words (turn 4)
     assert any(turn["user"] for turn in session.turns[:upto])
 
-    def peer_length() -> int:
-        messages = agent.chat_messages(system, None, session, upto)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-        return len(ids)
+    peer = agent.chat_messages(system, None, session, upto)
+    peer_length = len(tokenizer.apply_chat_template(peer, add_generation_prompt=True,
+                                                    return_dict=False))  # fmt: skip
 
     messages = Anthropic(base_url=url, api_key="x", max_retries=0).messages.create(
         model="claude-sonnet-4-6", max_tokens=1, extra_body={"temperature": 0},
         **agent.anthropic_request(system, None, session, upto),
     )  # fmt: skip
     usage = messages.usage
-    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == peer_length()
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == peer_length
 
     response = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).responses.create(
         model="bench", max_output_tokens=16, temperature=0,
         **agent.responses_request(system, session, upto),
     )  # fmt: skip
-    assert response.usage.input_tokens == peer_length()
+    assert response.usage.input_tokens == peer_length

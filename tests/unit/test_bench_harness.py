@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def harness(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the harness sets its own
-    sys.modules.pop("harness", None)
-    import harness
-
-    return harness
+def harness(bench_script):
+    return bench_script("harness")
 
 
 def test_ours_and_the_peer_get_the_same_cache_limits(harness):

@@ -6,27 +6,15 @@ from __future__ import annotations
 
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the harness sets its own
-    for name in ("speculation", "structured", "mixed"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-
-
-def test_speculation_asks_each_prompt_once_over_its_rounds(bench, monkeypatch):
+def test_speculation_asks_each_prompt_once_over_its_rounds(bench_script, monkeypatch):
     said = [[f"ShareGPT question {i}"] for i in range(100)]
     fake = types.SimpleNamespace(conversations=lambda n, turns, words: said[:n])
     monkeypatch.setitem(sys.modules, "sharegpt", fake)
-    import speculation
-
+    speculation = bench_script("speculation")
     rounds = speculation.rounds_of(4, sharegpt=8)
     prompts = [speculation.QUESTIONS[0]]  # the warm-up
     for r in rounds:
@@ -39,9 +27,8 @@ def test_speculation_asks_each_prompt_once_over_its_rounds(bench, monkeypatch):
         speculation.rounds_of(5, sharegpt=0)
 
 
-def test_structured_and_mixed_ask_each_question_once(bench):
-    import mixed
-    import structured
+def test_structured_and_mixed_ask_each_question_once(bench_script):
+    mixed, structured = bench_script("mixed"), bench_script("structured")
 
     asked = structured.asked(6)
     assert len({city for city, _ in asked}) == 12

@@ -17,12 +17,8 @@ RESULT_FILES = sorted([*(ROOT / "bench" / "results").glob("*.json"),
 
 
 @pytest.fixture
-def envelope(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop("envelope", None)
-    import envelope
-
-    return envelope
+def envelope(bench_script):
+    return bench_script("envelope")
 
 
 def test_there_are_results():
